@@ -22,7 +22,7 @@ from cfemu.clitools import CLIError, Output, PhaseBars, cf_name, require_url, se
 from cfemu.errors import FencedError, NoMessageError
 from cfemu.signals import handling
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
-from qsg.cli_common import Parents, RetryLaterError, whole
+from qsg.cli_common import FIRST_CONNECT_S, Parents, RetryLaterError, whole
 from sqm.conversations.convrecord import RECORD_LETTER, ConvRecord
 from sqm.conversations.uowcontrols import LAST_LETTER
 from sqm.conversations.uowstatus import Control
@@ -67,7 +67,8 @@ def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
     restore sees what it did. Whatever is left uncommitted when the block fails is backed out."""
     found = settings(args)
     if args.server:
-        client = Client(args.server, token=found.token, role=found.token_role, client_name="cfemu")
+        client = Client(args.server, token=found.token, role=found.token_role, client_name="cfemu",
+                        first_connect_timeout=FIRST_CONNECT_S)
         try:
             yield client
         finally:

@@ -6,9 +6,11 @@ certificate that is not PEM. In process, through each console script's main(), a
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,8 @@ from qsg import cli as cfemu_cli
 from qsg.chaos import cli as chaos_cli
 from restore import cli as restore_cli
 from sqm import cli as sqm_cli
+from sqm.service.client import Client
+from sqm.service.protocol import QueueManagerUnavailableError
 
 Main = Callable[..., int]
 NO_CF = "redis://127.0.0.1:1"  # nothing listens there: a command that got as far as the CF would say so instead
@@ -181,3 +185,43 @@ def test_sqm_run_that_cannot_start_says_why_in_one_line(tmp_path: Path, argv: li
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(words.replace("{tmp}", str(tmp_path))), done.stderr
     assert not (tmp_path / "logs").exists()  # no member log, no group repository: nothing joined
+
+
+@pytest.fixture
+def nobody() -> Iterator[tuple[str, socket.socket]]:
+    """An endpoint nothing answers on: a socket listening that never accepts nor replies (the kernel completes the
+    connection, the handshake waits), and the address of a port nothing listens on (its socket closed)."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    refused = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    try:
+        yield refused, silent
+    finally:
+        silent.close()
+
+
+@pytest.mark.timed
+def test_a_clients_first_connection_gives_up_within_its_first_connect_timeout(
+        nobody: tuple[str, socket.socket]) -> None:
+    refused, silent = nobody
+    quiet = f"127.0.0.1:{silent.getsockname()[1]}"
+    for endpoint in (refused, quiet):
+        t0 = time.monotonic()
+        with pytest.raises(QueueManagerUnavailableError, match=f"no queue manager answered: {endpoint}: "):
+            Client([endpoint], token="a-token", first_connect_timeout=1.0)
+        assert time.monotonic() - t0 < 2.0, endpoint  # not reconnect_timeout's 15 s, nor request_timeout's 30
+
+
+@pytest.mark.timed
+def test_a_command_given_a_server_that_is_not_there_fails_within_about_a_second(
+        nobody: tuple[str, socket.socket], tmp_path: Path) -> None:
+    refused, _ = nobody
+    env = {**os.environ, "SQM_TOKEN": "a-token-for-this-test"}
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "qsg.cli", "put", "Q1", "x", "--server", refused, "--redis-url",
+                           NO_CF], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    took = time.monotonic() - t0
+    assert done.returncode == 75 and done.stderr.count("\n") == 1, done.stderr  # 2059: retry later
+    assert f"no queue manager answered: {refused}: " in done.stderr, done.stderr
+    assert took < 8.0, took  # the interpreter's start and imports, then about 1 s: not the client's 15 s of retries
