@@ -36,6 +36,7 @@ from cfemu.clitools import (
     PhaseBars,
     add_settings_arguments,
     cf_name,
+    directory,
     output_file,
     require_url,
     settings,
@@ -170,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     un = sub.add_parser("unload", parents=[common, cf], help="unload a structure into a directory (it ends MIGRATED)")
     un.add_argument("structure", type=cf_name("structure"))
-    un.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory (or one holding only what a "
+    un.add_argument("--to", required=True, metavar="DIR", type=directory("--to"), help="a new or empty directory (or one holding only what a "
                     "killed unload of the structure left: replaced)")
     un.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
     un.add_argument("--wait", type=seconds(), default=DEFAULT_WAIT_S, metavar="SECONDS",
