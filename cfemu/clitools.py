@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -369,6 +370,34 @@ def output_file_in_new_directory(text: str) -> Path:
         return check_output_path(text, parents=True)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def tls_server_context(cert: str | os.PathLike[str], key: str | os.PathLike[str],
+                       ca: str | os.PathLike[str] | None = None, *, flags: tuple[str, str, str] = (
+                           "--tls-cert", "--tls-key", "--tls-ca")) -> ssl.SSLContext:
+    """A TLS server context from a certificate, its key and (mutual TLS) a CA, all PEM: a file that is missing,
+    unreadable or not PEM, or a key that is not the certificate's, is a CLIError in one line naming the flag
+    (``flags``) and the file, before a server is started with them."""
+    for flag, path in zip(flags, (cert, key, ca), strict=True):
+        if path is not None and not os.path.isfile(path):
+            raise CLIError(f"{flag}: no such file: {os.fspath(path)}")
+        if path is not None and not os.access(path, os.R_OK):
+            raise CLIError(f"{flag}: {os.fspath(path)}: this user may not read it")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        raise CLIError(f"{flags[0]} {os.fspath(cert)} and {flags[1]} {os.fspath(key)}: not a PEM certificate and its "
+                       f"private key ({getattr(e, 'reason', None) or e})") from None
+    if ca is not None:
+        try:
+            ctx.load_verify_locations(ca)
+        except (ssl.SSLError, OSError) as e:
+            raise CLIError(f"{flags[2]} {os.fspath(ca)}: not a PEM certificate ({getattr(e, 'reason', None) or e})") \
+                from None
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
 
 
 def check_directory(text: str | os.PathLike[str], what: str) -> Path:

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from cfemu import credentials
-from cfemu.clitools import CLIError, Output, check_directory, check_directory_settings, check_output_path
+from cfemu.clitools import (
+    CLIError,
+    Output,
+    check_directory,
+    check_directory_settings,
+    check_output_path,
+    tls_server_context,
+)
 from cfemu.embedded import EmbeddedRedis, ServerError, find_server
 from cfemu.private_files import write_private
 from cfemu.settings import find_cf_dir
@@ -40,9 +47,8 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
         # What the arguments name is checked before anything is made: a start refused leaves no directory behind.
         if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_ca and not args.tls_cert):
             raise CLIError("TLS needs both --tls-cert and --tls-key (and --tls-ca only with them)")
-        for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
-            if path is not None and not Path(path).is_file():
-                raise CLIError(f"{flag}: not a file: {path}")
+        if args.tls_cert is not None:  # each file PEM, the key the certificate's: refused before anything is made
+            tls_server_context(args.tls_cert, args.tls_key, args.tls_ca)
         try:
             server = find_server(tls=args.tls_cert is not None, forced=args.server_binary)
         except ServerError as e:

@@ -21,7 +21,14 @@ import signal
 import ssl
 from typing import Any
 
-from cfemu.clitools import CLIError, Output, add_settings_arguments, configure_logging, output_file
+from cfemu.clitools import (
+    CLIError,
+    Output,
+    add_settings_arguments,
+    configure_logging,
+    output_file,
+    tls_server_context,
+)
 from cfemu.connection import check_url
 from cfemu.settings import find_cluster_dir, read_cluster_file
 from qsg.cli_common import Parents, endpoint, seconds, whole
@@ -62,18 +69,7 @@ def _tls(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, ssl.SSLContex
         raise CLIError("TLS needs both --tls-cert and --tls-key")
     served = None
     if cert and key:
-        for what, path in (("certificate", cert), ("key", key)):
-            if not os.path.isfile(path):
-                raise CLIError(f"TLS {what} file not found: {path}")
-            if not os.access(path, os.R_OK):
-                raise CLIError(f"TLS {what} file {path}: this user may not read it")
-        served = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        served.minimum_version = ssl.TLSVersion.TLSv1_2
-        try:
-            served.load_cert_chain(cert, key)
-        except ssl.SSLError as e:  # not PEM, or a key that is not the certificate's
-            raise CLIError(f"TLS certificate {cert} and key {key}: not a PEM certificate and its private key "
-                           f"({e.reason or e.strerror or e})") from None
+        served = tls_server_context(cert, key)
     members = None
     if args.server_ca:
         members = client_tls_context(args.server_ca)

@@ -47,6 +47,10 @@ REFUSED: list[tuple[Main, list[str], str]] = [
      "cfemu console: error: argument --allow-host: must be a DNS name"),
     (cfemu_cli.main, ["console", "--redis-url", NO_CF, "--cluster-dir", "{tmp}/c", "--tls-cert", "{tmp}/file",
                       "--tls-key", "{tmp}/file"], "not a PEM certificate and its private key"),
+    (cfemu_cli.main, ["console", "--redis-url", NO_CF, "--cluster-dir", "{tmp}/c", "--tls-cert", "{tmp}/file",
+                      "--tls-key", "{tmp}/nokey.pem"], "cfemu: error: --tls-key: no such file: {tmp}/nokey.pem"),
+    (cfemu_cli.main, ["cf", "start", "--dir", "{tmp}/cf", "--tls-cert", "{tmp}/file", "--tls-key", "{tmp}/file"],
+     "cfemu: error: --tls-cert {tmp}/file and --tls-key {tmp}/file: not a PEM certificate and its private key"),
     (cfemu_cli.main, ["cluster", "up", "--dir", "{tmp}/file"], "cfemu: error: --cluster-dir: '{tmp}/file' is not a "
                                                                 "directory"),
     (cfemu_cli.main, ["cf", "start", "--dir", "{tmp}/file/cf"], "cfemu: error: --cf-dir: '{tmp}/file/cf' cannot be "
