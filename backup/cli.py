@@ -59,7 +59,9 @@ from cfemu.clitools import (
     Parser,
     PhaseBars,
     add_settings_arguments,
+    cf_name,
     configure_logging,
+    output_file,
     require_url,
     run_command,
     seconds,
@@ -129,13 +131,13 @@ def _sigterm_ends_the_backup() -> Iterator[None]:
 
 
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
-    found = settings(args)
-    client = connect(require_url(found))
-    # The members' logs are only read to count exception records: a log root that is not there is no error.
-    log_root = found.log_root if found.log_root.is_dir() else None
     t0 = time.monotonic()
     manifest: dict[str, Any] | None = None
-    try:
+    try:  # a refusal before the backup starts is a failed run for the metrics file too
+        found = settings(args)
+        client = connect(require_url(found))
+        # The members' logs are only read to count exception records: a log root that is not there is no error.
+        log_root = found.log_root if found.log_root.is_dir() else None
         with _sigterm_ends_the_backup(), \
                 PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal, width=36) as bars:
             manifest = run_backup(client, args.structure, found.backup_dir, log_root=log_root,
@@ -319,7 +321,7 @@ def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "cfbackup") -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     add_settings_arguments(common, "backup_dir", "cluster_dir")
     common.add_argument("--json", action="store_true", help="machine-readable output")
@@ -332,10 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="use backups taken before backups were signed (each is logged); only for backups "
                                "you know are the group's (docs/security.md)")
 
-    p = Parser(prog="cfbackup", description="Fuzzy backup of CF structures (BACKUP CFSTRUCT).")
+    p = Parser(prog=prog, description="Fuzzy backup of CF structures (BACKUP CFSTRUCT).")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     run = sub.add_parser("run", parents=[common, cf], help="back up a structure")
-    run.add_argument("structure")
+    run.add_argument("structure", type=cf_name("structure"))
     add_settings_arguments(run, "log_root", "backup_share")  # log root: to count the exception records
     run.add_argument("--exclint", type=whole(0), default=0, metavar="SECONDS",
                      help="leave out messages put less than SECONDS before the backup (restore replays them)")
@@ -350,18 +352,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--wait", type=seconds(0, MAX_SECONDS), default=DEFAULT_WAIT_S, metavar="SECONDS",
                      help=f"while another backup of the structure runs (the scheduler's), wait for it to end, at "
                           f"most SECONDS (default {DEFAULT_WAIT_S:g}; 0: refuse at once)")
-    run.add_argument("--metrics-file", metavar="PATH",
+    run.add_argument("--metrics-file", metavar="PATH", type=output_file,
                      help="write the run's metrics (success, duration, each step's) to PATH for node_exporter's "
                           "textfile collector, replaced atomically (docs/metrics.md)")
     run.set_defaults(func=cmd_run)
     cancel = sub.add_parser("cancel", parents=[common, cf],
                             help="end a running or stale backup's mark (a backup stuck or killed): the backup, "
                                  "if it still runs, fails at its next renewal and keeps nothing")
-    cancel.add_argument("--structure", metavar="S", help="the structure whose backup to cancel (default: every "
+    cancel.add_argument("--structure", metavar="S", type=cf_name("structure"), help="the structure whose backup to cancel (default: every "
                                                          "structure's)")
     cancel.set_defaults(func=cmd_cancel)
     ls = sub.add_parser("list", parents=[common, unsigned], help="list backups, newest first")
-    ls.add_argument("structure", nargs="?")
+    ls.add_argument("structure", nargs="?", type=cf_name("structure"))
     ls.add_argument("--deep", action="store_true", help="read every frame to decide the state (slow)")
     ls.set_defaults(func=cmd_list)
     show = sub.add_parser("show", parents=[common, unsigned], help="show one backup")
@@ -377,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prune", parents=[common, cf, unsigned],
                         help="remove old backups (never the newest good one)")
     add_settings_arguments(pr, "log_root")  # a restore point being written is kept while its restore runs
-    pr.add_argument("structure")
+    pr.add_argument("structure", type=cf_name("structure"))
     how = pr.add_mutually_exclusive_group(required=True)
     how.add_argument("--keep", type=whole(1), metavar="N", help="keep the N newest backups")
     how.add_argument("--older-than", metavar="AGE", help="remove backups older than AGE (e.g. 7d, 12h)")
@@ -385,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     sch = sub.add_parser("schedule", parents=[common, cf], help="back up structures every N seconds (a daemon)")
     add_settings_arguments(sch, "log_root", "backup_share")  # handed on to every backup it runs
     sch.add_argument("--interval", type=seconds(0, MAX_SECONDS, above=True), required=True, metavar="SECONDS")
-    sch.add_argument("--structure", action="append", default=[], help="structure to back up (default: all ACTIVE)")
+    sch.add_argument("--structure", action="append", default=[], type=cf_name("structure"), help="structure to back up (default: all ACTIVE)")
     sch.add_argument("--keep", type=whole(0), default=DEFAULT_KEEP, metavar="N",
                      help=f"after each good backup keep the newest N good backups of the structure (default "
                           f"{DEFAULT_KEEP}; 0: keep all) and remove older ones no restore can need")
@@ -402,9 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command("cfbackup", args, args.func, EXPECTED_ERRORS)
+def main(argv: list[str] | None = None, *, prog: str = "cfbackup") -> int:
+    """The command line; ``prog`` is the name its messages give it (``cfemu backup`` runs it as a verb)."""
+    args = build_parser(prog).parse_args(argv)
+    return run_command(prog, args, args.func, EXPECTED_ERRORS)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@
 * Errors: ``run_command`` runs a verb; an expected error is one line on stderr, ``PROG: error: ...``, exit status 2,
   and --verbose adds the traceback. Ctrl-C is ``PROG: interrupted``, exit status 130.
 * Arguments: ``Parser`` says a usage error in one line, exit status 2; ``whole``, ``seconds``, ``number``,
-  ``input_file`` and ``output_file`` are argument types that refuse a value out of range (NaN and infinity included),
-  a missing file or a file in no directory as the command line is parsed, naming the option and the value, before
-  anything runs.
+  ``input_file``, ``output_file``, ``directory`` and ``cf_name`` are argument types that refuse a value out of range
+  (NaN and infinity included), a missing file, a file in no directory or in one this user may not write, a directory
+  that is a file or cannot be made, or a bad CF name as the command line is parsed, naming the option and the value,
+  before anything runs; ``check_output_path`` and ``check_directory`` are the same checks for a path from elsewhere
+  (a setting, the environment).
 * Progress: ``PhaseBars`` draws the cfemu.progress port as one rich bar per phase.
 * Daemons (``sqm run``, ``cfbackup schedule``): ``configure_logging`` writes their log lines, as JSON with --json.
 """
@@ -22,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -36,6 +39,7 @@ from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cfemu import keys
 from cfemu import settings as _settings
 from cfemu.admin import AdminError
 from cfemu.connection import ConnectionConfigError, check_url
@@ -92,8 +96,28 @@ def add_settings_arguments(parser: argparse.ArgumentParser, *names: str) -> None
 def settings(args: argparse.Namespace) -> Settings:
     """The settings for a parsed command line (flags it does not have count as not given), with the CF user of
     the command's role (``cf_role``, set by each command's parser: cfemu.credentials.ROLES)."""
+    check_directory_settings(args)
     return _settings.resolve(role=getattr(args, "cf_role", "operator"),
                              **{name: getattr(args, name, None) for name in SETTINGS_HELP})
+
+
+def check_directory_settings(args: argparse.Namespace, *names: str) -> None:
+    """Check the directory settings ``names`` (default: every one in DIRECTORY_SETTINGS) given by flag, else by
+    their variable: a file, or a place no directory can be made, is a CLIError in one line naming the flag or
+    variable (check_directory)."""
+    for name in names or tuple(DIRECTORY_SETTINGS):
+        env_name = DIRECTORY_SETTINGS[name]
+        if getattr(args, name, None):
+            check_directory(getattr(args, name), "--" + name.replace("_", "-"))
+        elif os.environ.get(env_name):
+            check_directory(os.environ[env_name], f"${env_name}")
+
+
+# The settings that name a directory, with their variables: each given one is checked (check_directory) before the
+# settings are resolved.
+DIRECTORY_SETTINGS = {"cluster_dir": _settings.ENV_CLUSTER_DIR, "cf_dir": _settings.ENV_CF_DIR,
+                      "log_root": _settings.ENV_LOG_ROOT, "backup_dir": _settings.ENV_BACKUP_DIR,
+                      "log_archive_dir": _settings.ENV_LOG_ARCHIVE_DIR}
 
 
 def require_url(s: Settings) -> str:
@@ -306,18 +330,121 @@ def input_file(text: str) -> str:
     return text
 
 
-def output_file(text: str) -> Path:
-    """An argument type: a file the command writes later (a ready file, a report). Its directory must exist and it
-    must not be a directory itself, so that a mistyped path is refused now, not once the command has started work
-    it would then leave half done."""
-    path = Path(text)
-    if not text or path.is_dir():
-        raise argparse.ArgumentTypeError(f"must be a file, not the directory {text!r}" if text else
-                                         "must be a file, not ''")
-    if not path.absolute().parent.is_dir():
-        raise argparse.ArgumentTypeError(f"must be a file in a directory that exists, not {text!r} (no directory "
-                                         f"{str(path.absolute().parent)!r})")
+def check_output_path(text: str | os.PathLike[str], *, parents: bool = False) -> Path:
+    """A file the command writes later (a ready file, a report, a metrics file): refused now, with ValueError in one
+    line, when it is a directory, when its directory does not exist (with parents, the command makes it: when it
+    cannot be made), or when this user may not write it there, so that a mistyped path is refused before the command
+    starts work it would then leave half done."""
+    raw = os.fspath(text)
+    path = Path(raw)
+    if not raw or path.is_dir():
+        raise ValueError(f"must be a file, not the directory {raw!r}" if raw else "must be a file, not ''")
+    parent = path.absolute().parent
+    if parents and not parent.is_dir():
+        try:
+            check_directory(parent, "its directory")
+        except CLIError as e:
+            raise ValueError(f"must be a file in a directory that can be made, not {raw!r} ({e})") from None
+        return path
+    if not parent.is_dir():
+        raise ValueError(f"must be a file in a directory that exists, not {raw!r} (no directory {str(parent)!r})")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"must be a file this user may write, not {raw!r}")
+    if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"must be a file in a directory this user may write, not {raw!r}")
     return path
+
+
+def output_file(text: str) -> Path:
+    """An argument type: a file the command writes later (check_output_path)."""
+    try:
+        return check_output_path(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def output_file_in_new_directory(text: str) -> Path:
+    """An argument type: a file the command writes later, making its directory when missing (check_output_path
+    with parents)."""
+    try:
+        return check_output_path(text, parents=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def tls_server_context(cert: str | os.PathLike[str], key: str | os.PathLike[str],
+                       ca: str | os.PathLike[str] | None = None, *, flags: tuple[str, str, str] = (
+                           "--tls-cert", "--tls-key", "--tls-ca")) -> ssl.SSLContext:
+    """A TLS server context from a certificate, its key and (mutual TLS) a CA, all PEM: a file that is missing,
+    unreadable or not PEM, or a key that is not the certificate's, is a CLIError in one line naming the flag
+    (``flags``) and the file, before a server is started with them."""
+    for flag, path in zip(flags, (cert, key, ca), strict=True):
+        if path is not None and not os.path.isfile(path):
+            raise CLIError(f"{flag}: no such file: {os.fspath(path)}")
+        if path is not None and not os.access(path, os.R_OK):
+            raise CLIError(f"{flag}: {os.fspath(path)}: this user may not read it")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        raise CLIError(f"{flags[0]} {os.fspath(cert)} and {flags[1]} {os.fspath(key)}: not a PEM certificate and its "
+                       f"private key ({getattr(e, 'reason', None) or e})") from None
+    if ca is not None:
+        try:
+            ctx.load_verify_locations(ca)
+        except (ssl.SSLError, OSError) as e:
+            raise CLIError(f"{flags[2]} {os.fspath(ca)}: not a PEM certificate ({getattr(e, 'reason', None) or e})") \
+                from None
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def check_directory(text: str | os.PathLike[str], what: str) -> Path:
+    """A directory the command uses or creates (a log root, a data directory): CLIError in one line, naming
+    ``what``, when it is a file, or when it is missing and cannot be made (its nearest existing ancestor is not a
+    directory this user may write). Nothing is created."""
+    raw = os.fspath(text)
+    path = Path(raw)
+    if not raw:
+        raise CLIError(f"{what}: must be a directory, not ''")
+    if path.exists():
+        if not path.is_dir():
+            raise CLIError(f"{what}: {raw!r} is not a directory")
+        return path
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise CLIError(f"{what}: {raw!r} cannot be made: {str(ancestor)!r} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise CLIError(f"{what}: {raw!r} cannot be made: this user may not write in {str(ancestor)!r}")
+    return path
+
+
+def directory(what: str) -> Callable[[str], Path]:
+    """An argument type: a directory the command uses or creates (check_directory)."""
+    def parse(text: str) -> Path:
+        try:
+            return check_directory(text, what)
+        except CLIError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{what}: ")) from None
+    return parse
+
+
+def cf_name(kind: str, *, empty: bool = False) -> Callable[[str], str]:
+    """An argument type: a CF name (kind "structure" or "queue": cfemu.keys.check_name; "member":
+    check_member_name), refused as the command line is parsed; with empty, '' (none) is taken too."""
+    check = keys.check_member_name if kind == "member" else (lambda name: keys.check_name(kind, name))
+
+    def parse(text: str) -> str:
+        if empty and text == "":
+            return text
+        try:
+            return check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
 def _shown(bound: float) -> str:

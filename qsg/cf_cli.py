@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from cfemu import credentials
-from cfemu.clitools import CLIError, Output
+from cfemu.clitools import (
+    CLIError,
+    Output,
+    check_directory,
+    check_directory_settings,
+    check_output_path,
+    tls_server_context,
+)
 from cfemu.embedded import EmbeddedRedis, ServerError, find_server
 from cfemu.private_files import write_private
 from cfemu.settings import find_cf_dir
@@ -28,6 +35,7 @@ from qsg.cli_common import Parents, whole
 
 
 def cmd_cf(args: argparse.Namespace, out: Output) -> int:
+    check_directory_settings(args, "cf_dir")
     cf_dir = find_cf_dir(args.cf_dir)
     if args.action == "start":
         try:
@@ -39,9 +47,8 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
         # What the arguments name is checked before anything is made: a start refused leaves no directory behind.
         if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_ca and not args.tls_cert):
             raise CLIError("TLS needs both --tls-cert and --tls-key (and --tls-ca only with them)")
-        for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
-            if path is not None and not Path(path).is_file():
-                raise CLIError(f"{flag}: not a file: {path}")
+        if args.tls_cert is not None:  # each file PEM, the key the certificate's: refused before anything is made
+            tls_server_context(args.tls_cert, args.tls_key, args.tls_ca)
         try:
             server = find_server(tls=args.tls_cert is not None, forced=args.server_binary)
         except ServerError as e:
@@ -91,14 +98,24 @@ def cmd_secrets(args: argparse.Namespace, out: Output) -> int:
     # a device, a pipe, a directory or a link there would be replaced (run as root, /dev/null was).
     if acl is not None and (acl.is_symlink() or (acl.exists() and not acl.is_file())):
         raise CLIError(f"--acl-file: {acl} exists and is not a regular file: name a new file or the ACL file itself")
-    if acl is not None and not acl.parent.is_dir():
-        raise CLIError(f"--acl-file: {acl.parent} is not a directory")
+    if acl is not None:
+        try:
+            check_output_path(acl)
+        except ValueError as e:
+            raise CLIError(f"--acl-file: {e}") from None
+    check_directory(directory, "--dir")
     if acl is None and args.acl_owner is not None:
         raise CLIError("--acl-owner owns the ACL file: it needs --acl-file")
+    existing = _passwords(directory)
+    if acl is not None and acl.is_file() and not args.force and (
+            existing is None or acl.read_bytes() != _acl_text(existing)):
+        # Another group's ACL file (or an older one) may be what a running CF reads: written over only when asked.
+        raise CLIError(f"--acl-file: {acl} exists and holds another ACL: pass --force to write over it, or name a "
+                       "new file")
     passwords = credentials.create(directory)
     info: dict[str, Any] = {"dir": str(directory.resolve()), "files": sorted(p.name for p in directory.iterdir())}
     if acl is not None:
-        write_private(acl, "".join(line + "\n" for line in credentials.acl_lines(passwords)).encode())
+        write_private(acl, _acl_text(passwords))
         if args.acl_owner is not None:  # the redis-server that reads it may run as another user (its image's)
             os.chown(acl, args.acl_owner, -1)
         info["acl_file"] = str(acl.resolve())
@@ -109,6 +126,18 @@ def cmd_secrets(args: argparse.Namespace, out: Output) -> int:
                   [(k, ", ".join(v) if isinstance(v, list) else v) for k, v in sorted(info.items())])
     return 0
 
+
+
+def _acl_text(passwords: dict[str, str]) -> bytes:
+    """The CF's ACL file for these passwords."""
+    return "".join(line + "\n" for line in credentials.acl_lines(passwords)).encode()
+
+
+def _passwords(directory: Path) -> dict[str, str] | None:
+    """The CF passwords already in the secrets directory, made by nothing here (None: not all of them are there)."""
+    found = {role: credentials.read_password(directory, role) for role in credentials.ROLES} \
+        if directory.is_dir() else {}
+    return {role: pw for role, pw in found.items() if pw} if found and all(found.values()) else None
 
 
 def cf_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
@@ -131,3 +160,5 @@ def secrets_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("--dir", required=True, help="the secrets directory (made 0700; files 0600)")
     p.add_argument("--acl-file", help="also write the CF's ACL file for these secrets here (0600)")
     p.add_argument("--acl-owner", type=whole(0), default=None, help="uid to own the ACL file (the redis-server's)")
+    p.add_argument("--force", action="store_true",
+                   help="write over an --acl-file that holds another ACL (by default refused: a CF may read it)")

@@ -66,6 +66,7 @@ class Delegate:
     help: str
     main: str
     argv_prefix: tuple[str, ...] = ()
+    prog: str | None = None  # given: passed to ``main`` as prog=, the name its usage and errors show
 
 
 Verb = Command | Delegate
@@ -100,8 +101,8 @@ VERBS: dict[str, Verb] = {
                         ("publish",)),
     "pstore": Delegate("each structure's persistent store: status, connect, disconnect, start modes "
                        "(docs/pstore.md)", "qsg.pstore_cli:main"),
-    "backup": Delegate("cfbackup (same arguments)", "backup.cli:main"),
-    "restore": Delegate("cfrestore (same arguments)", "restore.cli:main"),
+    "backup": Delegate("cfbackup (same arguments)", "backup.cli:main", prog="cfemu backup"),
+    "restore": Delegate("cfrestore (same arguments)", "restore.cli:main", prog="cfemu restore"),
     "migrate": Delegate("move a structure to another CF through files (docs/migration.md)", "qsg.migrate_cli:main"),
     "exporter": Command("serve the CF's INFO as Prometheus metrics, until stopped (docs/metrics.md)",
                         "qsg.exporter_cli:cmd_exporter", ("common", "where"), "qsg.exporter_cli:exporter_arguments"),
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = VERBS.get(argv[0]) if argv else None
     if isinstance(verb, Delegate):  # everything after the verb belongs to the delegate, --help included
-        return int(load(verb.main)([*verb.argv_prefix, *argv[1:]]) or 0)
+        named = {"prog": verb.prog} if verb.prog else {}
+        return int(load(verb.main)([*verb.argv_prefix, *argv[1:]], **named) or 0)
     args = build_parser().parse_args(argv)
     command = VERBS[args.command]
     assert isinstance(command, Command)

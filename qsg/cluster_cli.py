@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from backup.catalog import parse_age
-from cfemu.clitools import CLIError, Output, lease_ms
-from cfemu.settings import find_cluster_dir
+from cfemu.clitools import CLIError, Output, cf_name, check_directory_settings, lease_ms
+from cfemu.settings import find_cluster_dir, parse_size
 from qsg.cli_common import Parents, seconds, whole
 
 
@@ -28,9 +28,22 @@ def age(text: str) -> str:
     return text
 
 
+def spark_memory(text: str) -> str:
+    """An argument type: a Spark worker's memory, a size as cfemu.settings.parse_size reads it, in Spark's units
+    (whole MiB), so that a bad one is refused before anything is started."""
+    try:
+        size = parse_size(text, what="--spark-memory")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--spark-memory: ")) from None
+    if size < 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r} is below the least a Spark worker can offer, 1 MiB")
+    return f"{size >> 20}m"
+
+
 def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
     from qsg.local_group import LocalGroup
 
+    check_directory_settings(args, "cluster_dir")
     d = find_cluster_dir(args.cluster_dir)
     if args.action == "up":
         t0 = time.monotonic()
@@ -142,8 +155,8 @@ def cluster_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("--lease-ms", type=lease_ms, default=5000)
     p.add_argument("--token", help="the application token clients must prove they hold (default: the group's "
                                    "service.token, made at the first 'up')")
-    p.add_argument("--structure", default="APP1", help="structure to define if missing ('' for none)")
-    p.add_argument("--queue", action="append", help="queue to define on it (default Q1, Q2)")
+    p.add_argument("--structure", default="APP1", type=cf_name("structure", empty=True), help="structure to define if missing ('' for none)")
+    p.add_argument("--queue", action="append", type=cf_name("queue"), help="queue to define on it (default Q1, Q2)")
     p.add_argument("--no-cf-restart", dest="cf_restart", action="store_false",
                    help="up: no supervisor restarting a dead CF (default: restarted, empty, on the same port)")
     p.add_argument("--no-member-restart", dest="member_restart", action="store_false",
@@ -155,7 +168,9 @@ def cluster_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
                    help="up: also a standalone Spark master and N workers on 127.0.0.1, from the installed pyspark "
                         "(cfrestore run --engine spark then uses it; docs/spark.md)")
     p.add_argument("--spark-cores", type=whole(1), default=1, help="up: cores each Spark worker offers")
-    p.add_argument("--spark-memory", default="2g", help="up: memory each Spark worker offers (Spark's units)")
+    p.add_argument("--spark-memory", type=spark_memory, default="2g", metavar="SIZE",
+                   help="up: memory each Spark worker offers, e.g. 2g, 512m or 3GiB (k, m, g: binary units, as "
+                        "Spark reads them; at least 1 MiB)")
     p.add_argument("--rest", action="store_true",
                    help="up: give each member the IBM MQ messaging REST API on a loopback port (docs/rest.md), "
                         "shown by 'cfemu cluster status'")

@@ -16,12 +16,19 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import ssl
-from pathlib import Path
 from typing import Any
 
-from cfemu.clitools import CLIError, Output, add_settings_arguments, configure_logging
+from cfemu.clitools import (
+    CLIError,
+    Output,
+    add_settings_arguments,
+    configure_logging,
+    output_file,
+    tls_server_context,
+)
 from cfemu.connection import check_url
 from cfemu.settings import find_cluster_dir, read_cluster_file
 from qsg.cli_common import Parents, endpoint, seconds, whole
@@ -30,6 +37,21 @@ from sqm.service.config import is_loopback_host
 
 DEFAULT_PORT = 8470
 WHERE = ("redis_url", "log_root", "backup_dir", "cluster_dir", "cf_dir")
+
+
+# A DNS name as a browser sends it in a Host header: dot-separated labels of letters, digits and hyphens, no label
+# starting or ending with a hyphen, at most 63 characters a label and 253 in all.
+_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
+
+
+def host_name(text: str) -> str:
+    """An argument type: a DNS name (--allow-host), lower case; an address, a port, a URL or a blank is refused."""
+    name = text.strip().lower().rstrip(".")
+    if not name or len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")) or \
+            name.replace(".", "").isdigit():
+        raise argparse.ArgumentTypeError(f"must be a DNS name such as console.example.com (no port, scheme or "
+                                         f"path; an IP address is always allowed), not {text!r}")
+    return name
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -47,12 +69,7 @@ def _tls(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, ssl.SSLContex
         raise CLIError("TLS needs both --tls-cert and --tls-key")
     served = None
     if cert and key:
-        for what, path in (("certificate", cert), ("key", key)):
-            if not os.path.isfile(path):
-                raise CLIError(f"TLS {what} file not found: {path}")
-        served = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        served.minimum_version = ssl.TLSVersion.TLSv1_2
-        served.load_cert_chain(cert, key)
+        served = tls_server_context(cert, key)
     members = None
     if args.server_ca:
         members = client_tls_context(args.server_ca)
@@ -97,7 +114,7 @@ async def _serve(console: Any, args: argparse.Namespace, served: ssl.SSLContext 
     url = f"{'https' if served else 'http'}://{args.host}:{port}/"
     doc = {"pid": os.getpid(), "url": url, "port": port, "host": args.host, "tls": served is not None}
     if args.ready_file:
-        tmp = Path(args.ready_file + ".tmp")
+        tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, args.ready_file)
     if args.json:
@@ -127,7 +144,7 @@ def console_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("--server-ca", help="the CA that signed the members' certificates, when their service has TLS")
     p.add_argument("--interval", type=seconds(0.2, 3600), default=2.0,
                    help="seconds between two readings of the group (default 2)")
-    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME", type=host_name,
                    help="a DNS name the browser may use for the console besides its --host, localhost and this "
                         "machine's name (repeat); requests naming another are refused (DNS rebinding)")
     p.add_argument("--head-timeout", type=seconds(0, above=True), default=10.0,
@@ -138,4 +155,4 @@ def console_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
                    help="connections open at once; past it a new one is closed at once (default 64)")
     p.add_argument("--max-connections-per-peer", type=whole(1), default=32,
                    help="connections open at once from one address (default 32)")
-    p.add_argument("--ready-file", help="write {pid, url, port} here once serving")
+    p.add_argument("--ready-file", type=output_file, help="write {pid, url, port} here once serving")

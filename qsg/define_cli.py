@@ -14,7 +14,7 @@ import argparse
 from typing import Any
 
 from cfemu import repository
-from cfemu.clitools import CLIError, Output, settings
+from cfemu.clitools import CLIError, Output, cf_name, settings
 from cfemu.limits import DEFAULT_MSG_LENGTH, MAX_DEFINED, MAX_MSG_LENGTH
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX, GROUP_FIELDS
 from qsg.cli_common import Parents, admin_client, whole
@@ -93,7 +93,7 @@ def cmd_alter(args: argparse.Namespace, out: Output) -> int:
 def define_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     dsub = p.add_subparsers(dest="kind", required=True)
     ds = dsub.add_parser("structure", parents=[parents.common, parents.where], help="define a CF application structure")
-    ds.add_argument("name")
+    ds.add_argument("name", type=cf_name("structure"))
     ds.add_argument("--max-entries", type=whole(0, MAX_DEFINED), default=0, help="capacity in entries (0 = unlimited)")
     ds.add_argument("--max-bytes", type=whole(0, MAX_DEFINED), default=0, help="capacity in bytes of data (0 = unlimited)")
     ds.add_argument("--replace", action="store_true", help="change an existing definition")
@@ -108,8 +108,8 @@ def define_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     dd.add_argument("--status-lifetime", type=whole(0, 254), default=None, metavar="N",
                     help="UWSTATP of a service that gives none: keep a UOW's status N lifetimes (0: not kept)")
     dq = dsub.add_parser("queue", parents=[parents.common, parents.where], help="define a shared queue")
-    dq.add_argument("name")
-    dq.add_argument("--structure", required=True)
+    dq.add_argument("name", type=cf_name("queue"))
+    dq.add_argument("--structure", required=True, type=cf_name("structure"))
     dq.add_argument("--backout-threshold", type=whole(0, MAX_DEFINED), default=0)
     dq.add_argument("--backout-queue", default="")
     dq.add_argument("--max-msg-length", type=whole(1, MAX_MSG_LENGTH), default=DEFAULT_MSG_LENGTH,
@@ -142,7 +142,7 @@ def define_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
 def alter_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     asub = p.add_subparsers(dest="kind", required=True)
     al = asub.add_parser("structure", parents=[parents.common, parents.where], help="alter a CF application structure")
-    al.add_argument("name")
+    al.add_argument("name", type=cf_name("structure"))
     al.add_argument("--max-entries", type=whole(0, MAX_DEFINED), default=None, help="capacity in entries (0 = unlimited)")
     al.add_argument("--max-bytes", type=whole(0, MAX_DEFINED), default=None, help="capacity in bytes of data (0 = unlimited)")
     al.add_argument("--recauto", action=argparse.BooleanOptionalAction, default=None,

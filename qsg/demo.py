@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from cfemu.clitools import Output
+from cfemu.clitools import Output, directory
 from qsg.chaos.checker import FINDING_KINDS, MUST_BE_ZERO
 from qsg.chaos.faults import COST_S, FaultSpec
 from qsg.chaos.history import load_history
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1, help="the workload's seed (default 1)")
     p.add_argument("--seconds", type=seconds(above=True), default=8.0, help="length of the first work phase")
     p.add_argument("--quick", action="store_true", help="a short run (for tests)")
-    p.add_argument("--dir", type=Path, help="where the cluster and the report live (default: a temporary directory)")
+    p.add_argument("--dir", type=directory("--dir"), help="where the cluster and the report live (default: a temporary directory)")
     p.add_argument("--redis-cluster", type=whole(0, 16), default=0, metavar="N",
                    help="the CF as a Redis Cluster of N masters (3-16), the structures spread over them")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

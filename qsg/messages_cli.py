@@ -18,11 +18,11 @@ from typing import Any, Protocol
 
 import msgpack
 
-from cfemu.clitools import CLIError, Output, PhaseBars, require_url, settings
+from cfemu.clitools import CLIError, Output, PhaseBars, cf_name, require_url, settings
 from cfemu.errors import FencedError, NoMessageError
 from cfemu.signals import handling
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
-from qsg.cli_common import Parents, RetryLaterError, whole
+from qsg.cli_common import FIRST_CONNECT_S, Parents, RetryLaterError, whole
 from sqm.conversations.convrecord import RECORD_LETTER, ConvRecord
 from sqm.conversations.uowcontrols import LAST_LETTER
 from sqm.conversations.uowstatus import Control
@@ -67,7 +67,8 @@ def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
     restore sees what it did. Whatever is left uncommitted when the block fails is backed out."""
     found = settings(args)
     if args.server:
-        client = Client(args.server, token=found.token, role=found.token_role, client_name="cfemu")
+        client = Client(args.server, token=found.token, role=found.token_role, client_name="cfemu",
+                        first_connect_timeout=FIRST_CONNECT_S)
         try:
             yield client
         finally:
@@ -299,7 +300,7 @@ def cmd_browse(args: argparse.Namespace, out: Output) -> int:
 
 
 def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
-    p.add_argument("queue")
+    p.add_argument("queue", type=cf_name("queue"))
     p.add_argument("messages", nargs="+", metavar="MESSAGE")
     p.add_argument("--count", type=whole(1, MAX_PUT_COUNT), default=1,
                    help=f"put the messages this many times (1-{MAX_PUT_COUNT})")
@@ -311,7 +312,7 @@ def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
 
 
 def get_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
-    p.add_argument("queue")
+    p.add_argument("queue", type=cf_name("queue"))
     how_many = p.add_mutually_exclusive_group()
     how_many.add_argument("--count", type=whole(1), default=1)
     how_many.add_argument("--all", action="store_true", help="until the queue is empty")
@@ -319,5 +320,5 @@ def get_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
 
 
 def browse_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
-    p.add_argument("queue")
+    p.add_argument("queue", type=cf_name("queue"))
     p.add_argument("--limit", type=whole(1), default=100)

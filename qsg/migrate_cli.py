@@ -35,6 +35,9 @@ from cfemu.clitools import (
     Output,
     PhaseBars,
     add_settings_arguments,
+    cf_name,
+    directory,
+    output_file,
     require_url,
     settings,
 )
@@ -167,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(unload, load, compare the reports; docs/migration.md).")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     un = sub.add_parser("unload", parents=[common, cf], help="unload a structure into a directory (it ends MIGRATED)")
-    un.add_argument("structure")
-    un.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory (or one holding only what a "
+    un.add_argument("structure", type=cf_name("structure"))
+    un.add_argument("--to", required=True, metavar="DIR", type=directory("--to"), help="a new or empty directory (or one holding only what a "
                     "killed unload of the structure left: replaced)")
     un.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
     un.add_argument("--wait", type=seconds(), default=DEFAULT_WAIT_S, metavar="SECONDS",
@@ -177,10 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     un.set_defaults(func=cmd_unload, cf_role="operator")
     ld = sub.add_parser("load", parents=[common, cf], help="load an unload into another CF (an empty structure)")
     ld.add_argument("dir", metavar="DIR", help="the unload's directory (cfemu migrate unload --to DIR)")
-    ld.add_argument("--structure", help="the structure's name in the target (default: the source's)")
+    ld.add_argument("--structure", type=cf_name("structure"), help="the structure's name in the target (default: the source's)")
     ld.add_argument("--group", help="the target's group: set on a CF that has none, refused when it has another")
     ld.add_argument("--restart", action="store_true", help="start a partial load of this migration over")
-    ld.add_argument("--report", metavar="FILE", help=f"the load report (default DIR/{migrate.LOAD_REPORT})")
+    ld.add_argument("--report", metavar="FILE", type=output_file, help=f"the load report (default DIR/{migrate.LOAD_REPORT})")
     ld.add_argument("--source-keys-dir", metavar="DIR",
                     help="the source group's secrets directory, to check an unload another group signed")
     ld.add_argument("--log-root", metavar="DIR", help="the target group's log root: its group repository then "
@@ -193,12 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--keys-dir", metavar="DIR", help="another group's secrets directory (its backup key)")
     cmp.set_defaults(func=cmd_compare, cf_role="operator")
     stp = sub.add_parser("status", parents=[common, cf], help="a structure's migration state")
-    stp.add_argument("structure")
+    stp.add_argument("structure", type=cf_name("structure"))
     stp.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
     stp.set_defaults(func=cmd_status, cf_role="operator")
     ro = sub.add_parser("reopen", parents=[common, cf], help="give a migrated source back: it serves again (or, its "
                         "CF lost, is restored again)")
-    ro.add_argument("structure")
+    ro.add_argument("structure", type=cf_name("structure"))
     ro.add_argument("--confirm", metavar="STRUCT", default="", help="the structure's name again")
     ro.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
     ro.add_argument("--target-given-up", action="store_true",

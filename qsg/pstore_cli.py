@@ -30,7 +30,7 @@ from backup.files import BackupError
 from cfemu import repository
 from cfemu.admin import Admin
 from cfemu.cf import CF
-from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, settings
+from cfemu.clitools import CLIError, Output, add_settings_arguments, cf_name, require_url, settings
 from cfemu.connection import connect
 from cfemu.pstore import COLD, MODES, set_start_mode, status
 from qsg.cli_common import Parser, run_verb
@@ -136,24 +136,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="cfemu pstore", description="The persistent store of each structure.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     st = sub.add_parser("status", parents=[common], help="each structure's start mode and availability")
-    st.add_argument("structures", nargs="*", metavar="STRUCTURE")
+    st.add_argument("structures", nargs="*", metavar="STRUCTURE", type=cf_name("structure"))
     st.set_defaults(func=cmd_status)
     for verb, func, text in (("disconnect", cmd_disconnect, "refuse persistent work (DISCONNECT-PSTORE)"),
                              ("connect", cmd_connect, "accept persistent work again (CONNECT-PSTORE)")):
         v = sub.add_parser(verb, parents=[common], help=text)
-        v.add_argument("structure")
+        v.add_argument("structure", type=cf_name("structure"))
         v.set_defaults(func=func)
     nn = sub.add_parser("no-new-uows", parents=[common], help="only consuming work (--on), or all work (--off)")
-    nn.add_argument("structure")
+    nn.add_argument("structure", type=cf_name("structure"))
     nn.add_argument("--on", action="store_true")
     nn.add_argument("--off", action="store_true")
     nn.set_defaults(func=cmd_no_new_uows)
     mode = sub.add_parser("mode", parents=[common], help="the start mode RECAUTO uses after a CF loss")
-    mode.add_argument("structure")
+    mode.add_argument("structure", type=cf_name("structure"))
     mode.add_argument("mode", type=str.upper, choices=MODES)
     mode.set_defaults(func=cmd_mode)
     s = sub.add_parser("start", parents=[common], help="start a failed or lost structure HOT, WARM or COLD")
-    s.add_argument("structure")
+    s.add_argument("structure", type=cf_name("structure"))
     add_settings_arguments(s, "backup_dir")
     s.add_argument("--mode", required=True, type=str.upper, choices=MODES)
     s.add_argument("--yes", action="store_true", help="confirm a COLD start")

@@ -20,7 +20,7 @@ from cfemu import repository
 from cfemu.cf import CF
 from cfemu.clitools import CLIError, Output, add_settings_arguments, settings
 from cfemu.topic_attributes import SUB_SUFFIX, publication_queue, subscription_queue
-from qsg.cli_common import Parser, admin_client, run_verb
+from qsg.cli_common import FIRST_CONNECT_S, Parser, admin_client, run_verb
 from sqm.service.client import Client
 
 SUB_FIELDS = ("name", "durable", "position_lrsn", "position_pub", "received", "subscribed_pc", "active_pc", "home")
@@ -31,7 +31,8 @@ def _client(args: argparse.Namespace) -> Client:
         raise CLIError(f"{args.command} {getattr(args, 'action', '')}: give --server HOST:PORT (a member's service: "
                        "subscriptions and publications go through a session on it)".replace("  ", " "))
     found = settings(args)
-    return Client(args.server, token=found.token, role=found.token_role, client_name="cfemu")
+    return Client(args.server, token=found.token, role=found.token_role, client_name="cfemu",
+                  first_connect_timeout=FIRST_CONNECT_S)
 
 
 def cmd_topic(args: argparse.Namespace, out: Output) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 from cfemu import keys, rcluster
 from cfemu.admin import Admin, AdminError, StructureDef
 from cfemu.cf import CF, Structure
-from cfemu.clitools import CLIError, Output, settings
+from cfemu.clitools import CLIError, Output, cf_name, settings
 from cfemu.repository import GroupRepository, RepositoryError
 from qsg.cli_common import Parents, Parser, admin_client
 from qsg.conn_cli import ask_members, endpoints, member_arguments
@@ -136,7 +136,7 @@ def _state(s: dict[str, Any]) -> str:
 
 
 def status_arguments(parser: Parser, parents: Parents) -> None:
-    parser.add_argument("queue", nargs="?", metavar="QUEUE",
+    parser.add_argument("queue", nargs="?", metavar="QUEUE", type=cf_name("queue"),
                         help="DISPLAY QSTATUS of this queue: depth, uncommitted puts and gets, oldest message age, "
                              "handles and last put/get (the members' own, through their services)")
     member_arguments(parser)

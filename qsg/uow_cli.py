@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from cfemu.clitools import CLIError, Output, settings
-from qsg.cli_common import Parents, Parser, RetryLaterError
+from qsg.cli_common import FIRST_CONNECT_S, Parents, Parser, RetryLaterError
 from qsg.conn_cli import endpoints
 from qsg.member_answers import Answered, ask_each_member, name_unanswered, raise_if_partial, unanswered
 from sqm.conversations.operator_status import TARGETS
@@ -36,7 +36,7 @@ def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
                 raise CLIError(f"unit of work {args.uow} is not in doubt on any member of the local cluster "
                                "('cfemu indoubt list' lists those that are)")
             servers = holders[:1]
-        with Client(servers, token=token, role=role, client_name="cfemu") as c:
+        with Client(servers, token=token, role=role, client_name="cfemu", first_connect_timeout=FIRST_CONNECT_S) as c:
             c.resolve(args.uow, args.commit)
             where = c.qmgr
         outcome = "committed" if args.commit else "backed out"
@@ -78,7 +78,8 @@ def cmd_uow(args: argparse.Namespace, out: Output) -> int:
         raise CLIError(f"uow {args.action}: give --server HOST:PORT (a member's service: UOW statuses are read and "
                        "changed through a session on it)")
     found = settings(args)
-    with Client(args.server, token=found.token, role=found.token_role, client_name="cfemu") as c:
+    with Client(args.server, token=found.token, role=found.token_role, client_name="cfemu",
+                first_connect_timeout=FIRST_CONNECT_S) as c:
         if args.action == "set-uow-status":  # the operator's: no logon
             doc = {**c.set_uow_status(args.uow_id, args.status), "qmgr": c.qmgr}
             if args.json:

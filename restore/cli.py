@@ -42,6 +42,10 @@ from cfemu.clitools import (
     Parser,
     PhaseBars,
     add_settings_arguments,
+    cf_name,
+    directory,
+    output_file,
+    output_file_in_new_directory,
     require_url,
     run_command,
     settings,
@@ -66,12 +70,12 @@ def _bars(out: Output) -> PhaseBars:
 
 
 def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> int:
-    found = settings(args)
-    options = _engine_options(args, found)  # a bad --memory-limit is refused before anything is read
-    client = connect(require_url(found))
     t0 = time.monotonic()
     result = None
-    try:
+    try:  # a refusal before the restore starts is a failed run for the metrics file too
+        found = settings(args)
+        options = _engine_options(args, found)  # a bad --memory-limit is refused before anything is read
+        client = connect(require_url(found))
         with _bars(out) as bars, disk_full_named(found.backup_dir, f"the restore did not finish: structure "
                                                  f"{args.structure} is not restored (it stays as 'cfemu status' "
                                                  "shows it); free space there and run it again"):
@@ -192,13 +196,13 @@ def cmd_mark_failed(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "cfrestore") -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     add_settings_arguments(common, "redis_url", "cluster_dir", "cf_dir")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
     restore = Parser(add_help=False)
-    restore.add_argument("structure")
+    restore.add_argument("structure", type=cf_name("structure"))
     add_settings_arguments(restore, "backup_dir", "log_root", "memory_limit", "workers")
     restore.add_argument("--backup", metavar="ID", help="restore from this backup (default: the latest good one)")
     unsigned = Parser(add_help=False)
@@ -212,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="start from the relog window of the newest complete relog pass, from the logs alone, "
                               "even when a backup is newer (by default the newer start is used; the report says "
                               "which)")
-    restore.add_argument("--report", metavar="FILE",
+    restore.add_argument("--report", metavar="FILE", type=output_file_in_new_directory,
                          help="report file (default <backup-dir>/<structure>/restore-<time>.json)")
     restore.add_argument("--mark-failed", action="store_true",
                          help="fail the structure first when it is ACTIVE (its current content is replaced)")
@@ -223,27 +227,27 @@ def build_parser() -> argparse.ArgumentParser:
                          help="spark engine: a Spark setting (repeatable)")
     restore.add_argument("--archive-dir", help="spark engine: read archived log segments from this directory")
 
-    p = Parser(prog="cfrestore", description="Restore CF structures (RECOVER CFSTRUCT).")
+    p = Parser(prog=prog, description="Restore CF structures (RECOVER CFSTRUCT).")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     run = sub.add_parser("run", parents=[common, restore, unsigned], help="restore a structure from a backup and the logs")
     run.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
-    run.add_argument("--metrics-file", metavar="PATH",
+    run.add_argument("--metrics-file", metavar="PATH", type=output_file,
                      help="write the run's metrics (success, duration, each phase's) to PATH for node_exporter's "
                           "textfile collector, replaced atomically (docs/metrics.md)")
     run.set_defaults(func=cmd_run)
     plan = sub.add_parser("plan", parents=[common, restore, unsigned], help="print what run would do; change nothing")
     plan.set_defaults(func=cmd_plan, dry_run=True)
     purge = sub.add_parser("purge", parents=[common, unsigned], help="empty a failed structure and make it usable again")
-    purge.add_argument("structure")
+    purge.add_argument("structure", type=cf_name("structure"))
     add_settings_arguments(purge, "backup_dir", "log_root")
     purge.add_argument("--mark-failed", action="store_true", help="purge an ACTIVE structure too")
     purge.set_defaults(func=cmd_purge)
     mark = sub.add_parser("mark-failed", parents=[common], help="fail an ACTIVE structure")
-    mark.add_argument("structure")
+    mark.add_argument("structure", type=cf_name("structure"))
     mark.set_defaults(func=cmd_mark_failed)
     archive = sub.add_parser("archive", parents=[common], help="copy closed log segments to Parquet")
     add_settings_arguments(archive, "log_root")
-    archive.add_argument("--archive-dir", required=True, help="where the Parquet files go")
+    archive.add_argument("--archive-dir", required=True, type=directory("--archive-dir"), help="where the Parquet files go")
     archive.set_defaults(func=cmd_archive)
     audit = sub.add_parser("audit", parents=[common], help="where did a message go? (from the archive)")
     audit.add_argument("entry_id")
@@ -253,9 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command("cfrestore", args, args.func, EXPECTED_ERRORS)
+def main(argv: list[str] | None = None, *, prog: str = "cfrestore") -> int:
+    """The command line; ``prog`` is the name its messages give it (``cfemu restore`` runs it as a verb)."""
+    args = build_parser(prog).parse_args(argv)
+    return run_command(prog, args, args.func, EXPECTED_ERRORS)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,14 @@ from pathlib import Path
 from typing import cast
 
 from cfemu.clitools import (
+    EXIT_USAGE,
     MAX_MS,
     MAX_SECONDS,
     CLIError,
     Output,
     Parser,
     add_settings_arguments,
+    cf_name,
     configure_logging,
     input_file,
     lease_ms,
@@ -53,7 +55,7 @@ from sqm.logprint import LOG_ERRORS, add_log_parser
 from sqm.request_slots import LEASE_S, MAX_SLOTS, default_slots
 from sqm.service.config import MAX_REST_WORKERS
 from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
-from sqm.service.server import ServerConfig, is_loopback_host, serve
+from sqm.service.server import ServerConfig, StartFailed, is_loopback_host, serve
 
 # The ranges of sqm run's numbers, checked as the command line is parsed: a value out of its range (NaN and
 # infinity included) is one line naming the option and the value, exit status 2, before anything is opened or
@@ -82,7 +84,7 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                               description="Run one SQM: a TCP server (msgpack frames) in front of a queue "
                                           "manager. SIGTERM/SIGINT shut it down gracefully with a checkpoint; "
                                           "exit code 3 means peer recovery fenced it (restart it).")
-    p.add_argument("--name", required=True, help="queue manager name (its log is LOG_ROOT/NAME)")
+    p.add_argument("--name", required=True, type=cf_name("member"), help="queue manager name (its log is LOG_ROOT/NAME)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=PORT, default=0, help="TCP port (0: any free port, see --ready-file)")
     add_settings_arguments(p, "redis_url", "log_root", "token", "cluster_dir", "cf_dir", "backup_dir",
@@ -278,7 +280,8 @@ def main(argv: list[str] | None = None, *, recovery: RecoveryFactory | None = No
     """``python -m sqm.cli``: a member without automatic structure recovery (RECAUTO structures wait for an
     operator). The ``sqm`` command is qsg.member.main, this with restore wired in."""
     args = build_parser(recovery).parse_args(argv)
-    return run_command("sqm", args, args.func, LOG_ERRORS)
+    return run_command("sqm", args, args.func, (*LOG_ERRORS, StartFailed),
+                       exit_code=lambda e: e.code if isinstance(e, StartFailed) else EXIT_USAGE)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from cfemu.admin import Admin, lease_left_ms
-from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, settings, whole
+from cfemu.clitools import CLIError, Output, add_settings_arguments, cf_name, require_url, settings, whole
 from cfemu.connection import connect
 from cfemu.repository import GroupRepository, now_lrsn
 from sqm.core.retention import Retention, log_retention
@@ -219,8 +219,8 @@ def add_lost_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) 
     text = ("declare a member's log lost for good (its volume gone): the member then starts with a new log, and "
             "restores from bases taken before are refused")
     p = verbs.add_parser("lost", help=text, description=text[0].upper() + text[1:] + ".")
-    p.add_argument("lost_member", metavar="MEMBER")
-    p.add_argument("--confirm", metavar="MEMBER", required=True, help="the member's name again")
+    p.add_argument("lost_member", metavar="MEMBER", type=cf_name("member"))
+    p.add_argument("--confirm", metavar="MEMBER", required=True, type=cf_name("member"), help="the member's name again")
     add_settings_arguments(p, "redis_url", "log_root", "cluster_dir", "cf_dir")
     p.add_argument("--json", action="store_true", help="JSON instead of a line")
     p.add_argument("-v", "--verbose", action="store_true", help="a traceback with errors")
@@ -236,7 +236,7 @@ def add_log_admin_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentPar
     for name, func, text in specs:
         p = verbs.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         which = p.add_mutually_exclusive_group()
-        which.add_argument("--member", help="this member's log only")
+        which.add_argument("--member", type=cf_name("member"), help="this member's log only")
         which.add_argument("--all", action="store_true", help="every member's log (the default)")
         add_settings_arguments(p, "redis_url", "log_root", "cluster_dir", "cf_dir",
                                *(("log_archive_dir",) if name == "archive" else ()))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfemu.clitools import Output, add_settings_arguments, settings, styled_table, whole
+from cfemu.clitools import Output, add_settings_arguments, cf_name, settings, styled_table, whole
 from cfemu.settings import ENV_LOG_ROOT
 from sqm.core.records import KINDS, Record, Role, UnknownRecordError, describe, entry_ids, lookup, queues_of
 from sqm.log import LogCorruptError, LogFormatError, LogReader, find_log_dirs, merged_records
@@ -148,7 +148,7 @@ def add_log_parser(
                                      "members (--all), filtered by UOW, queue, message, LRSN range or kind. "
                                      "--queue and --message also show the outcomes of the UOWs involved.")
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--member", help="print this member's log (in append order)")
+    which.add_argument("--member", type=cf_name("member"), help="print this member's log (in append order)")
     which.add_argument("--all", action="store_true", help="print the merged log of every member (LRSN order)")
     add_settings_arguments(p, "log_root", "cluster_dir")
     p.add_argument("--uow", help="only this unit of work's records")

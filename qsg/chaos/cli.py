@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cfemu.clitools import Output, Parser, lease_ms, run_command, seconds, whole
+from cfemu.clitools import Output, Parser, directory, lease_ms, run_command, seconds, whole
 from qsg.chaos.checker import FINDING_KINDS, check
 from qsg.chaos.faults import (
     CF_LINK_KINDS,
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--managers", type=whole(1, 9), default=3, help="SQM servers (3)")
     common.add_argument("--lease-ms", type=lease_ms, default=3000, help="SQM lease (3000)")
     common.add_argument("--backup-interval", type=seconds(0, DAY_S, above=True), default=4.0, help="seconds between backups (4)")
-    common.add_argument("--dir", type=Path, default=Path("var/chaos"), help="report directory (var/chaos)")
+    common.add_argument("--dir", type=directory("--dir"), default=Path("var/chaos"), help="report directory (var/chaos)")
     common.add_argument("--keep-cluster", action="store_true", help="keep the cluster's logs and backups")
     common.add_argument("--redis-cluster", type=int, default=0, metavar="N",
                         help="the CF as a Redis Cluster of N masters (3-16); without the cf-link kinds, and "

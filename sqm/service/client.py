@@ -217,7 +217,7 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
                  client_name: str = "",
                  connect_timeout: float = 5.0, request_timeout: float = 30.0, reconnect_timeout: float = 15.0,
                  max_frame: int = DEFAULT_MAX_FRAME, connect: bool = True,
-                 allow_unauthenticated: bool = False) -> None:
+                 allow_unauthenticated: bool = False, first_connect_timeout: float | None = None) -> None:
         if port is not None:
             specs: list[EndpointSpec] = [(str(endpoints), port)]
         elif isinstance(endpoints, str | tuple):
@@ -240,6 +240,10 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.reconnect_timeout = reconnect_timeout
+        # The first connection's whole time (every attempt, each capped at it), where a command line fails at once
+        # on a server that is not there; None: reconnect_timeout, as every later connection.
+        self.first_connect_timeout = first_connect_timeout
+        self._connected = False  # a connection has been made once
         self.own_max_frame = max_frame  # the longest frame this client accepts: told to every server at hello
         self.max_frame = max_frame  # the longest frame either side accepts on the current connection
         self.qmgr = ""  # name of the queue manager currently connected to
@@ -258,14 +262,17 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
 
     # --- connection management -------------------------------------------------------------------------
     def _connect(self) -> None:
-        """Connect to the next endpoint that answers, round robin, for up to reconnect_timeout seconds."""
-        deadline = time.monotonic() + self.reconnect_timeout
+        """Connect to the next endpoint that answers, round robin, for up to reconnect_timeout seconds
+        (first_connect_timeout for the first connection, when given)."""
+        first = None if self._connected else self.first_connect_timeout
+        deadline = time.monotonic() + (self.reconnect_timeout if first is None else first)
         problems: dict[Endpoint, str] = {}
         while True:
             for _ in range(len(self.endpoints)):
                 ep = self.endpoints[self._index % len(self.endpoints)]
                 try:
-                    self._open(ep)
+                    self._open(ep, None if first is None else max(deadline - time.monotonic(), 0.05))
+                    self._connected = True
                     return
                 except NotAuthorizedError:
                     raise
@@ -277,13 +284,16 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
                 raise QueueManagerUnavailableError(f"no queue manager answered: {detail}")
             time.sleep(0.2)
 
-    def _open(self, ep: Endpoint) -> None:
-        sock = socket.create_connection(ep, timeout=self.connect_timeout)
+    def _open(self, ep: Endpoint, within: float | None = None) -> None:
+        """Connect to ``ep`` and shake hands; ``within``: the most both may take (None: connect_timeout for the
+        connection, request_timeout for the handshake)."""
+        sock = socket.create_connection(ep, timeout=self.connect_timeout if within is None else
+                                        min(self.connect_timeout, within))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock, server_hostname=ep[0])
-            sock.settimeout(self.request_timeout)
+            sock.settimeout(self.request_timeout if within is None else min(self.request_timeout, within))
             hello = handshake(sock, token=self.token, role=self.role, client_name=self.client_name,
                               max_frame=self.own_max_frame, where=f"{ep[0]}:{ep[1]}",
                               allow_unauthenticated=self.allow_unauthenticated)

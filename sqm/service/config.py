@@ -168,9 +168,19 @@ class ServerConfig:
                 raise ServerConfigError(f"TLS {what} file not found: {path}")
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        try:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        except ssl.SSLError as e:  # not PEM, or a key that is not the certificate's
+            raise ServerConfigError(f"TLS certificate {self.tls_cert} and key {self.tls_key}: not a PEM certificate "
+                                    f"and its private key ({e.reason or e})") from None
+        except OSError as e:
+            raise ServerConfigError(f"TLS certificate {self.tls_cert} and key {self.tls_key}: {e.strerror or e}") \
+                from None
         if self.tls_ca:
-            ctx.load_verify_locations(self.tls_ca)
+            try:
+                ctx.load_verify_locations(self.tls_ca)
+            except (ssl.SSLError, OSError) as e:
+                raise ServerConfigError(f"TLS CA {self.tls_ca}: not a PEM certificate ({e})") from None
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
 

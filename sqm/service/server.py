@@ -111,6 +111,7 @@ class SQMServer:
         self.port = config.port
         self.metrics_port = config.metrics_port
         self.exit_code = EXIT_OK
+        self.serving = False  # True once it serves (its ready file written): a failure before is a failed start
         self._stop: asyncio.Event | None = None
         self._stopping = False
         self.warn = Warnings()
@@ -245,6 +246,7 @@ class SQMServer:
                 loop.add_signal_handler(sig, self._on_signal, sig)
         watcher = asyncio.create_task(self._watch_fencing())
         self._write_ready_file()
+        self.serving = True
         log.info("%s serving on %s:%d%s (metrics %s:%s, REST %s), epoch %d, MAXUMSGS %d, %s", self.qm.name,
                  self.config.host, self.port, " with TLS" if self.ssl else "", self.config.metrics_host,
                  self.metrics_port, f"{self.config.rest_host}:{self.rest_port}" if self.rest else "off",
@@ -512,40 +514,48 @@ def _reserve(host: str, port: int, option: str) -> socket.socket:
     return sock
 
 
+class StartFailed(Exception):  # noqa: N818 - what the command says: the start failed
+    """The server did not start (a configuration it refused, a CF that did not answer, a log it cannot read): one
+    line for the operator, and the exit code the process ends with (EXIT_*)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def serve(config: ServerConfig) -> int:
-    """Run one SQM server until it is stopped; the return value is the process exit code."""
+    """Run one SQM server until it is stopped; the return value is the process exit code. A failure before it
+    serves raises StartFailed (one line and its exit code); one after is logged and its exit code returned."""
     try:
         server = SQMServer(config)
     except ServerConfigError as e:
-        log.error("%s", e)
-        return EXIT_CONFIG
+        raise StartFailed(str(e), EXIT_CONFIG) from e
     try:
         return asyncio.run(server.run())
-    except ServerConfigError as e:  # a port that cannot be had: before the member joined the group
-        log.error("%s: %s", config.name, e)
-        return EXIT_CONFIG
-    except LogLockedError as e:
-        log.error("%s: its log is in use by another process (is %s already running?): %s", config.name,
-                  config.name, e)
-        return EXIT_CONFIG
-    except RepositoryError as e:  # a log root that is not the group's: a configuration error
-        log.error("%s", e)
-        return EXIT_CONFIG
-    except (LogCorruptError, LogFormatError) as e:  # its own log cannot be read: restart cannot recover from it
-        log.error("%s: its record log cannot be read, so it cannot restart (docs/runbook.md, \"Reading the "
-                  "logs\"): %s", config.name, e)
-        return EXIT_LOG_FAILED
-    except OSError as e:  # e.g. the port is taken
-        log.error("%s: %s", config.name, e)
-        return EXIT_ERROR
-    except MQError as e:
-        log.error("%s: %s", config.name, e)
-        return EXIT_FENCED if isinstance(e, FencedError) else EXIT_ERROR
+    except (ServerConfigError, LogLockedError, RepositoryError, LogCorruptError, LogFormatError, OSError,
+            MQError) as e:
+        message, code = _failure(config.name, e)
+        if not server.serving:
+            raise StartFailed(message, code) from e
+        log.error("%s", message)
+        return code
 
 
-__all__ = ["EXIT_CONFIG", "EXIT_ERROR", "EXIT_FENCED", "EXIT_OK", "SQMServer", "ServerConfig",
-           "ServerConfigError", "serve"]
+def _failure(name: str, e: Exception) -> tuple[str, int]:
+    """What a failure of the server says, and the exit code it ends with."""
+    if isinstance(e, ServerConfigError):  # a port that cannot be had: before the member joined the group
+        return f"{name}: {e}", EXIT_CONFIG
+    if isinstance(e, LogLockedError):
+        return f"{name}: its log is in use by another process (is {name} already running?): {e}", EXIT_CONFIG
+    if isinstance(e, RepositoryError):  # a log root that is not the group's: a configuration error
+        return str(e), EXIT_CONFIG
+    if isinstance(e, (LogCorruptError, LogFormatError)):  # its own log cannot be read: restart cannot recover
+        return (f"{name}: its record log cannot be read, so it cannot restart (docs/runbook.md, \"Reading the "
+                f"logs\"): {e}", EXIT_LOG_FAILED)
+    if isinstance(e, MQError):
+        return f"{name}: {e}", EXIT_FENCED if isinstance(e, FencedError) else EXIT_ERROR
+    return f"{name}: {e}", EXIT_ERROR  # an OSError, e.g. the port is taken
 
 
 __all__ = ["EXIT_CONFIG", "EXIT_ERROR", "EXIT_FENCED", "EXIT_LOG_FAILED", "EXIT_OK", "SQMServer", "ServerConfig",
-           "ServerConfigError", "is_loopback_host", "is_loopback_ip", "serve"]
+           "ServerConfigError", "StartFailed", "is_loopback_host", "is_loopback_ip", "serve"]

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from cfemu.clitools import input_file, number, output_file, seconds
+from cfemu.clitools import (
+    CLIError,
+    cf_name,
+    check_directory,
+    directory,
+    input_file,
+    number,
+    output_file,
+    seconds,
+)
 
 
 @pytest.mark.parametrize(("text", "said"), [
@@ -62,3 +71,47 @@ def test_an_input_file_must_be_a_file_that_exists_and_may_be_read(tmp_path: Path
     if not os.access(cert, os.R_OK):  # root reads whatever the mode says
         with pytest.raises(argparse.ArgumentTypeError, match="^must be a file this user may read, not "):
             input_file(str(cert))
+
+
+def test_an_output_file_must_be_one_this_user_may_write(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "old").write_text("x")
+    (locked / "old").chmod(0o400)
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root writes whatever the mode says
+            pytest.skip("this user may write anywhere")
+        with pytest.raises(argparse.ArgumentTypeError, match="^must be a file in a directory this user may write"):
+            output_file(str(locked / "new"))
+        with pytest.raises(argparse.ArgumentTypeError, match="^must be a file this user may write"):
+            output_file(str(locked / "old"))
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_directory_must_be_one_or_one_that_can_be_made(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    assert check_directory(tmp_path, "--log-root") == tmp_path
+    assert check_directory(tmp_path / "new" / "deeper", "--log-root") == tmp_path / "new" / "deeper"
+    assert not (tmp_path / "new").exists()  # checked, not made
+    with pytest.raises(CLIError, match=r"^--log-root: '.*/file' is not a directory$"):
+        check_directory(tmp_path / "file", "--log-root")
+    with pytest.raises(CLIError, match=r"^--log-root: '.*/file/logs' cannot be made: '.*/file' is not a directory$"):
+        check_directory(tmp_path / "file" / "logs", "--log-root")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'.*/file' is not a directory$"):
+        directory("--dir")(str(tmp_path / "file"))
+
+
+@pytest.mark.parametrize(("kind", "text"), [("structure", "APP 1"), ("queue", "Q1\n"), ("queue", ""),
+                                            ("structure", "S" * 49), ("member", "QM.1"), ("member", "Q" * 33)])
+def test_a_bad_cf_name_is_refused(kind: str, text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^bad {kind} name "):
+        cf_name(kind)(text)
+
+
+def test_a_good_cf_name_is_taken() -> None:
+    assert cf_name("structure")("APP1") == "APP1"
+    assert cf_name("queue")("ORDERS.IN-2") == "ORDERS.IN-2"
+    assert cf_name("member")("QM_1") == "QM_1"
+    assert cf_name("structure", empty=True)("") == ""  # "none", where an option allows it

@@ -229,7 +229,7 @@ def test_backup_and_restore_verbs_delegate(where: list[str], redis_url: str, tmp
                         "--json"))
     assert out["structure"] == "APP1"
     assert "APP1" in ok("cfemu", "backup", "list", "--backup-dir", backups)
-    assert "usage: cfrestore" in ok("cfemu", "restore", "--help")
+    assert "usage: cfemu restore" in ok("cfemu", "restore", "--help")  # cfrestore's command line, named as run
     assert "usage: sqm run" in ok("sqm", "run", "--help")
     r = run("sqm", "run", "--name", "QM1", "--redis-url", redis_url, "--lease-ms", "10")
     assert r.returncode == 2 and "argument --lease-ms: must be a whole number from 500 to" in r.stderr

@@ -205,7 +205,8 @@ def test_secrets_init_never_writes_its_acl_file_over_what_is_not_a_regular_file(
     (nowhere / "target").write_text("kept")
     link.symlink_to(nowhere / "target")
     for acl, words in ((fifo, "is not a regular file"), (nowhere, "is not a regular file"),
-                       (link, "is not a regular file"), (nowhere / "missing" / "acl", "is not a directory")):
+                       (link, "is not a regular file"),
+                       (nowhere / "missing" / "acl", "must be a file in a directory that exists")):
         assert cfemu_cli.main(["secrets", "init", "--dir", str(nowhere / "secrets"), "--acl-file", str(acl)]) == 2
         _, err = capsys.readouterr()
         assert err.count("\n") == 1 and words in err, err

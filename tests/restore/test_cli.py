@@ -45,7 +45,10 @@ def group(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # a usage error, refused as the command line is parsed
+        rc = int(e.code or 0)
     out, err = capsys.readouterr()
     return rc, out, err
 
