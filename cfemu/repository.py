@@ -74,6 +74,7 @@ MIGRATED = "migrated"  # the section of the structures a store migration unloade
 LOADED = "loaded"  # the section of the structures a store migration loaded here
 LOG_LOST = "log_lost"  # in a member's record: its log was declared lost for good (declare_log_lost)
 UOW_DEFAULTS = "uow_defaults"  # the section of the group's defaults for its services
+LOGON_KEY = "logon_key"  # the fingerprint of the group's logon key (sqm.core.logon_token): never the key
 
 State = dict[str, Any]
 
@@ -308,6 +309,18 @@ class GroupRepository:
         rec = (self.load() or {}).get(UOW_DEFAULTS)
         return None if rec is None else UowDefaults.from_dict({k: v for k, v in rec.items() if k != "updated_at"})
 
+    # --- the group's logon key: its fingerprint, so that a lost key file is not silently replaced ----------
+    def logon_key_fingerprint(self) -> str | None:
+        return _fingerprint_in((self.load() or {}).get(LOGON_KEY))
+
+    def record_logon_key_fingerprint(self, fingerprint: str) -> str:
+        """Record the fingerprint unless one is recorded (a section edited into something else is replaced); the
+        one recorded now."""
+        def change(state: State) -> None:
+            if _fingerprint_in(state.get(LOGON_KEY)) is None:
+                state[LOGON_KEY] = {"fingerprint": fingerprint, "recorded_at": _iso()}
+        return str(self.update(change)[LOGON_KEY]["fingerprint"])
+
     # --- store migration: the source that must not serve again (backup.migrate) ----------------------------
     def record_migrated(self, structure: str, migration: str, *, unload: str, source_cf: str) -> None:
         """`structure` was unloaded by `migration`: restore, RECAUTO and the start modes refuse it from now on."""
@@ -359,6 +372,10 @@ class GroupRepository:
         every member whose log was declared lost."""
         return {m: dict(rec[LOG_LOST]) for m, rec in ((self.load() or {}).get("members") or {}).items()
                 if rec.get(LOG_LOST)}
+
+
+def _fingerprint_in(rec: object) -> str | None:
+    return rec["fingerprint"] if isinstance(rec, dict) and isinstance(rec.get("fingerprint"), str) else None
 
 
 def migrated_refusal(structure: str, record: Mapping[str, Any], doing: str) -> str:

@@ -7,6 +7,13 @@ LAST pointers, the subscription entries and every message id derived from them h
 ``k1:<64 hex>`` of this module, never the token. The CF, the members' logs and the backups therefore hold nothing an
 application could log on with, and a guess at a token cannot be checked against them without the key.
 
+A member opens the key when it starts (open_group_key), never later: a key file that others may read, or that is
+not a key, refuses the start in one line, rather than every logon with a token after it. The group repository
+records the key's fingerprint (a keyed hash of a constant, never the key): a member that finds the file missing
+where the group has a key does not make another (its members would seal with different keys and each find only its
+own users' work), and refuses to start, naming the file; a running member, which holds the key, writes the file
+back when it finds it gone (restore_key_file, from its housekeeping), so the refused member starts on its next try.
+
 The key lives in the group repository's directory on the log root (``<log root>/_group/logon.key``, 0600 in the
 0700 directory, cfemu.repository): the place every member, peer recovery and restore of the group share (a member
 whose log root is not the group's is refused at start), and which outlives a CF loss (the entries are restored from
@@ -73,8 +80,66 @@ def group_key(log_root: str | os.PathLike[str]) -> bytes:
     return key
 
 
+class KeyRecord(Protocol):
+    """Where the group records its key's fingerprint (cfemu.repository.GroupRepository)."""
+
+    def logon_key_fingerprint(self) -> str | None: ...
+
+    def record_logon_key_fingerprint(self, fingerprint: str) -> str: ...
+
+
+def fingerprint(key: bytes) -> str:
+    """What the group repository keeps of the key: a keyed hash of a constant, which says nothing of the key."""
+    return hmac.new(key, _DOMAIN + b"fingerprint", hashlib.sha256).hexdigest()[:32]
+
+
+def open_group_key(log_root: str | os.PathLike[str], record: KeyRecord) -> bytes:
+    """The group's logon key, for a member that starts: read, or made when the group has none yet, and checked
+    against the fingerprint the group records (recorded when there is none). LogonKeyError when the file cannot
+    be used, is missing where the group has a key, or is another key than the group's."""
+    path = key_path(log_root)
+    recorded = record.logon_key_fingerprint()
+    with _lock:
+        if path.exists() or path.is_symlink():
+            key = _read(path)
+        elif recorded is not None:
+            raise LogonKeyError(
+                f"{path} is missing, and the group has a logon key (fingerprint {recorded}): another key would "
+                "leave every sealed logon token unmatched; a running member of the group writes the file back "
+                "within a second, or put it back from a copy (docs/security.md, \"Logon tokens\")")
+        else:
+            key = _create(path)
+        mine = fingerprint(key)
+        recorded = recorded or record.record_logon_key_fingerprint(mine)
+        if not hmac.compare_digest(mine, recorded):
+            raise LogonKeyError(
+                f"{path} is not the group's logon key (its fingerprint {mine}, the group's {recorded}): with it this "
+                "member would find no user's sealed token; put the group's key back from a copy or a running "
+                "member (docs/security.md, \"Logon tokens\")")
+        _keys[path] = key
+    return key
+
+
+def restore_key_file(log_root: str | os.PathLike[str]) -> bool:
+    """Write the key file back when it is gone and this process holds the group's key (a member's housekeeping):
+    whether it was written back."""
+    path = key_path(log_root)
+    key = _keys.get(path)
+    if key is None or path.exists() or path.is_symlink():
+        return False
+    with _lock:
+        if path.exists() or path.is_symlink():
+            return False
+        _create(path, key)
+    return True
+
+
 def _read(path: Path) -> bytes:
-    mode = stat.S_IMODE(path.stat().st_mode)
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode):
+        raise LogonKeyError(f"{path} is not a regular file: the group's logon key must be one ({KEY_BYTES} bytes in "
+                            "hex, mode 600)")
+    mode = stat.S_IMODE(st.st_mode)
     if mode & 0o077:
         raise LogonKeyError(f"{path} is readable or writable by others (mode {mode:o}): chmod 600 it; whoever read "
                             "it can check guesses at logon tokens against the group's entries (docs/security.md)")
@@ -87,13 +152,14 @@ def _read(path: Path) -> bytes:
     return key
 
 
-def _create(path: Path) -> bytes:
-    """A new key, linked into place only if no other process made one first (then the other one is used)."""
+def _create(path: Path, key: bytes | None = None) -> bytes:
+    """A new key (or ``key``, written back), linked into place only if no other process made one first (then the
+    other one is used)."""
     directory = private_dir(path.parent)
     tmp = directory / f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
     fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        os.write(fd, secrets.token_bytes(KEY_BYTES).hex().encode() + b"\n")
+        os.write(fd, (key or secrets.token_bytes(KEY_BYTES)).hex().encode() + b"\n")
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -158,4 +224,4 @@ def seal_control(qm: HasConfig, c: C) -> C:
 
 
 __all__ = ["group_key", "key_path", "seal", "seal_with", "is_sealed", "matches", "seal_control", "LogonKeyError",
-           "KEY_FILE"]
+           "KEY_FILE", "KeyRecord", "fingerprint", "open_group_key", "restore_key_file"]

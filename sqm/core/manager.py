@@ -48,6 +48,7 @@ from sqm.core.config import CIRCULAR, LOG_MODES, QueueManagerConfig
 from sqm.core.connection import Connection
 from sqm.core.failpoints import failpoint
 from sqm.core.hooks import Hooks
+from sqm.core.logon_token import open_group_key, restore_key_file
 from sqm.core.logspace import LogSpace
 from sqm.core.outcomes import Outcomes
 from sqm.core.own_log import begins_anew, join_info, refuse_live_elsewhere
@@ -145,6 +146,7 @@ class QueueManager(Outcomes, LogSpace):
         # backup and restore do not read would have its committed work dropped by them (invariant 1,
         # docs/invariants.md; the group repository: cfemu.repository).
         self.repository = open_group_repository(self.admin, self.config.log_root, who=self.name)
+        open_group_key(self.config.log_root, self.repository)  # a key that cannot be used refuses the start
         anew = begins_anew(self.repository, self.name, self.log_dir)  # before anything is created there
         self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes,
                              ring=self.config.log_ring if self.config.log_mode == CIRCULAR else 0)
@@ -506,6 +508,9 @@ class QueueManager(Outcomes, LogSpace):
                 if self.log_failed:
                     continue  # the rest logs (recoveries, checkpoints, expiry, the wings' sweepers): not now
                 recover_peers(self)
+                if restore_key_file(self.config.log_root):
+                    log.warning("%s: the group's logon key file was gone: written back from this member's copy",
+                                self.name)
                 if self.recauto is not None:
                     self.recauto.check()
                 self._checkpoint_when_due()

@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,6 +65,63 @@ def test_a_key_others_may_read_is_refused(tmp_path: Path) -> None:
     path.chmod(0o644)
     with pytest.raises(logon_token.LogonKeyError, match="chmod 600"):
         logon_token.group_key(tmp_path / "logs")
+
+
+def test_a_lost_key_file_is_not_replaced_by_another_key_and_a_running_member_writes_it_back(
+        redis_url: str, tmp_path: Path) -> None:
+    """The key was read at a member's first logon with a token and made when missing: deleted while the group ran,
+    the next member to need it made another, and each member then found only its own users' work. A member now
+    opens the key when it starts, against the fingerprint the group repository records: a missing file where the
+    group has a key refuses the start in one line, and a running member writes the file back."""
+    root = tmp_path / "logs"
+    qm1 = start_qm(redis_url, root, "QM1", background=False)
+    try:
+        path = logon_token.key_path(root)
+        original = path.read_bytes()
+        path.unlink()
+        with pytest.raises(logon_token.LogonKeyError, match="is missing, and the group has a logon key") as refused:
+            start_qm(redis_url, root, "QM2", background=False)
+        assert "\n" not in str(refused.value)
+        assert not path.exists()  # no other key made
+        assert logon_token.restore_key_file(root)  # what QM1's housekeeping does
+        assert path.read_bytes() == original and stat.S_IMODE(path.stat().st_mode) == 0o600
+        qm2 = start_qm(redis_url, root, "QM2", background=False)
+        qm2.stop()
+        path.unlink()
+        path.write_text(os.urandom(32).hex())  # another key in its place
+        path.chmod(0o600)
+        with pytest.raises(logon_token.LogonKeyError, match="is not the group's logon key"):
+            start_qm(redis_url, root, "QM2", background=False)
+        path.unlink()
+        path.mkdir()
+        with pytest.raises(logon_token.LogonKeyError, match="is not a regular file"):
+            start_qm(redis_url, root, "QM2", background=False)
+        path.rmdir()
+    finally:
+        qm1.stop()
+
+
+def test_a_fingerprint_section_edited_into_something_else_is_recorded_again(tmp_path: Path) -> None:
+    repo = repository.GroupRepository(tmp_path / "logs")
+    repo.update(lambda state: state.update({repository.LOGON_KEY: "edited by hand"}))
+    assert repo.logon_key_fingerprint() is None
+    assert repo.record_logon_key_fingerprint("f" * 32) == "f" * 32 == repo.logon_key_fingerprint()
+    assert repo.record_logon_key_fingerprint("0" * 32) == "f" * 32  # one recorded: kept
+
+
+def test_a_running_members_housekeeping_writes_the_key_file_back(redis_url: str, tmp_path: Path) -> None:
+    root = tmp_path / "logs"
+    qm = start_qm(redis_url, root, "QM1")
+    try:
+        path = logon_token.key_path(root)
+        original = path.read_bytes()
+        path.unlink()
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert path.read_bytes() == original
+    finally:
+        qm.stop()
 
 
 def test_sealed_tokens_are_keyed_bound_to_the_user_and_never_the_token() -> None:
