@@ -136,6 +136,9 @@ def _count_option(opts: dict[str, Any], name: str, default: int) -> int:
     return n
 
 
+MAX_SECONDS_OPTION = 86400.0
+
+
 def _seconds_option(opts: dict[str, Any], name: str, default: float, *, positive: bool = False) -> float:
     """A transport option in seconds (a number, or its text; at least 0, or above 0 when ``positive``)."""
     value = opts.get(name, default)
@@ -145,8 +148,9 @@ def _seconds_option(opts: dict[str, Any], name: str, default: float, *, positive
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = float("nan")
-    if not (seconds > 0 if positive else seconds >= 0) or seconds == float("inf"):
-        need = "above 0" if positive else "0 or more"
+    # At most a day: a thread waiting longer (the keep-alive's) overflows the clock, dying at its first wait.
+    if not (seconds > 0 if positive else seconds >= 0) or seconds > MAX_SECONDS_OPTION:
+        need = ("above 0" if positive else "0 or more") + f", at most {MAX_SECONDS_OPTION:.0f}"
         raise ValueError(f"cfemu: transport option {name}={value!r}: not a number of seconds {need}")
     return seconds
 
@@ -162,8 +166,24 @@ def _text_option(opts: dict[str, Any], name: str) -> str | None:
 def _clamp_priority(value: Any) -> int:
     try:
         return max(0, min(MAX_PRIORITY, int(value)))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float
+        return MAX_PRIORITY if isinstance(value, float) and value > 0 else 0
+
+
+def _expiry_ms(queue: str, expiration: Any) -> int:
+    """A publish's ``expiration`` (ms, a number or its text, as AMQP's) as the message's expiry (0: none). One that
+    is not a whole number of 0 or more is refused, as RabbitMQ refuses it: a negative one had the message expire
+    before any get, the publish returning as if it were kept."""
+    if expiration in (None, ""):
         return 0
+    try:
+        ms = float(expiration)
+        if isinstance(expiration, bool) or not 0 <= ms < 2**62:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ChannelError(f"cfemu: publish to {queue}: expiration {str(expiration)[:40]!r} is not a number of "
+                           "milliseconds of 0 or more") from None
+    return max(int(ms), 1)
 
 
 # The envelope's fields and the types _put writes (None: absent).
@@ -304,6 +324,14 @@ class Channel(virtual.Channel):
         return super().basic_cancel(consumer_tag)
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        """The next message of ``queue``, or None. A delivery to acknowledge holds a connection to the member until
+        it is settled, so a channel holds at most as many as a consumer's prefetch allows (``max_unacked``):
+        past that, ChannelError, before anything is taken (gets without acks once held a connection each, until
+        the host's every connection to the member was taken and its other applications refused)."""
+        if not no_ack and not self.qos.can_consume():
+            raise ChannelError(f"cfemu: get from {queue}: this channel holds {len(self.qos._delivered)} deliveries "
+                               f"not yet acknowledged, as many as it may (max_unacked {self.transport.max_unacked}, "
+                               "or the prefetch count): acknowledge or reject one first")
         try:
             payload = self._take(queue, no_ack=no_ack)
         except Empty:
@@ -433,10 +461,9 @@ class Channel(virtual.Channel):
         envelope = {"content-type": message.get("content-type"),
                     "content-encoding": message.get("content-encoding"),
                     "headers": message.get("headers") or {}, "properties": props, "text": text}
-        expiration = props.get("expiration")
         item = {"body": data, "priority": _clamp_priority(props.get("priority")),
                 "persistent": props.get("delivery_mode") not in (1, "1"),
-                "expiry_ms": max(int(float(expiration)), 1) if expiration not in (None, "") else 0,
+                "expiry_ms": _expiry_ms(queue, props.get("expiration")),
                 "properties": {ENVELOPE_PROPERTY: dumps(envelope)}}
         self.transport.producer().put_batch([item], queue=queue, commit=True)
 

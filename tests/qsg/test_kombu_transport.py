@@ -21,6 +21,8 @@ import pytest
 
 kombu = pytest.importorskip("kombu")
 
+from kombu.exceptions import ChannelError  # noqa: E402
+
 import qsg.kombu_transport as kt  # noqa: E402
 from cfemu.errors import BackedOutError, NoMessageError, UnknownObjectError  # noqa: E402
 from cfemu.procs import free_port  # noqa: E402
@@ -325,6 +327,45 @@ def test_a_prefetch_count_above_max_unacked_holds_max_unacked(group: LocalGroup)
             assert len(got) > 3
 
 
+def test_gets_without_acks_stop_at_max_unacked_and_take_nothing_more(group: LocalGroup) -> None:
+    """basic_get did not look at max_unacked: 127 gets without an ack held 127 connections, and the member's limit
+    per address then refused every other application of the host. Past max_unacked a get is a ChannelError, before
+    anything is taken; an ack makes room again."""
+    _purge(group, ["kgets"])
+    url = kt.members_url(members(group), group.token or "")
+    with kombu.Connection(url, transport_options=options(group, max_unacked=3)) as conn:
+        q = conn.SimpleQueue("kgets")
+        for n in range(6):
+            q.put({"n": n})
+        held = [q.get_nowait() for _ in range(3)]
+        with pytest.raises(ChannelError, match="3 deliveries not yet acknowledged.*max_unacked 3") as refused:
+            q.get_nowait()
+        assert "\n" not in str(refused.value)
+        assert len(conn.transport._held) == 3 and q.qsize() == 3  # nothing more taken
+        held[0].ack()
+        assert q.get_nowait().payload == {"n": 3}
+        q.close()
+
+
+def test_a_publish_with_a_negative_expiration_is_refused_and_an_infinite_priority_is_the_highest(
+        group: LocalGroup) -> None:
+    """expiration=-5 returned as if published, and the message was gone before any get (RabbitMQ refuses it);
+    priority=inf raised a bare OverflowError, not one of the transport's errors."""
+    _purge(group, ["kexp"])
+    url = kt.members_url(members(group), group.token or "")
+    with kombu.Connection(url, transport_options=options(group)) as conn:
+        q = conn.SimpleQueue("kexp")
+        for bad in (-5, -0.5):  # seconds: kombu sends them as milliseconds
+            with pytest.raises(ChannelError, match="is not a number of milliseconds of 0 or more"):
+                q.put({"n": 0}, expiration=bad)
+        assert q.qsize() == 0
+        q.put({"n": 1}, priority=float("inf"))
+        q.put({"n": 2}, priority=float("-inf"))
+        with Client(members(group), token=group.token, client_name="check") as c:
+            assert [m.priority for m in c.browse("kexp", 10)] == [9, 0]
+        q.close()
+
+
 def test_a_delivery_held_past_the_idle_timeout_stays_with_its_consumer(tmp_path: Path) -> None:
     """A consumer that works on a message longer than the member's idle timeout (a long Celery task, an ETA task)
     keeps it: the transport pings the held connection, which the member would close as idle, backing the delivery
@@ -398,6 +439,7 @@ def test_an_ack_after_the_connection_closed_raises_a_connection_error(group: Loc
     ("request_timeout", 0, "request_timeout=0: not a number of seconds above 0"),
     ("connect_timeout", "x", "connect_timeout='x': not a number of seconds above 0"),
     ("reconnect_timeout", float("nan"), "reconnect_timeout=nan: not a number of seconds 0 or more"),
+    ("keepalive_interval", 1e300, "keepalive_interval=1e+300: not a number of seconds 0 or more, at most 86400"),
     ("endpoints", 7, "endpoints=7: not a list of 'HOST:PORT'"),
     ("endpoints", ["nohost"], "endpoints: "),
     ("operator_token", 123, "operator_token: not text but int"),
