@@ -123,12 +123,25 @@ def parse_endpoint(spec: EndpointSpec) -> Endpoint:
 
 def client_tls_context(ca: str | None = None, cert: str | None = None, key: str | None = None, *,
                        check_hostname: bool = True) -> ssl.SSLContext:
-    """A TLS context for Client: verify the server with ``ca``; present ``cert``/``key`` for mutual TLS."""
-    ctx = ssl.create_default_context(cafile=ca)
+    """A TLS context for Client: verify the server with ``ca``; present ``cert``/``key`` for mutual TLS. A file that
+    cannot be read or holds no certificate (or key) is a ValueError naming it, in one line."""
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"TLS: the CA file {ca}: {_tls_reason(e)}") from None
     ctx.check_hostname = check_hostname
     if cert:
-        ctx.load_cert_chain(cert, key)
+        try:
+            ctx.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"TLS: the certificate {cert}" + (f" or its key {key}" if key else "")
+                             + f": {_tls_reason(e)}") from None
     return ctx
+
+
+def _tls_reason(e: OSError) -> str:
+    return e.strerror if isinstance(e, OSError) and e.strerror and not isinstance(e, ssl.SSLError) else (
+        f"not PEM or not a match ({getattr(e, 'reason', None) or e})")
 
 
 def _result(reply: Any) -> dict[str, Any]:

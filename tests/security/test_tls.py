@@ -189,3 +189,15 @@ def test_a_member_runs_over_rediss(tls_cf: tuple[str, TLSTerminator], redis_url:
             assert c.get("Q1", syncpoint=False).body == b"through a TLS CF"
     finally:
         assert srv.stop() == 0, srv.log_text()
+
+
+def test_a_client_tls_file_that_cannot_be_used_is_named_in_one_line(tmp_path: Path) -> None:
+    """kombu's ssl={"ca": "/nonexistent"} said only "[Errno 2] No such file or directory", naming no file."""
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    for args, said in (((str(tmp_path / "missing.pem"),), f"the CA file {tmp_path / 'missing.pem'}: No such file"),
+                       ((str(junk),), f"the CA file {junk}: not PEM"),
+                       ((None, str(junk), str(junk)), f"the certificate {junk} or its key {junk}: not PEM")):
+        with pytest.raises(ValueError) as refused:
+            client_tls_context(*args)
+        assert said in str(refused.value) and "\n" not in str(refused.value)
