@@ -380,7 +380,8 @@ def tls_server_context(cert: str | os.PathLike[str], key: str | os.PathLike[str]
     (``flags``) and the file, before a server is started with them."""
     for flag, path in zip(flags, (cert, key, ca), strict=True):
         if path is not None and not os.path.isfile(path):
-            raise CLIError(f"{flag}: no such file: {os.fspath(path)}")
+            what = "not a file" if os.path.exists(path) else "no such file"
+            raise CLIError(f"{flag}: {what}: {os.fspath(path)}")
         if path is not None and not os.access(path, os.R_OK):
             raise CLIError(f"{flag}: {os.fspath(path)}: this user may not read it")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -81,6 +81,8 @@ SERVER_VALUES: tuple[tuple[type[CounterMetricFamily] | type[GaugeMetricFamily], 
      "at once (--scan-slots)", "scan_slots"),
     (GaugeMetricFamily, "waiting_for_scan_slot", "Calls of scans waiting for a scan slot now", "waiting_for_scan_slot"),
     (CounterMetricFamily, "scan_slot_waits", "Calls of scans that waited for a scan slot", "scan_slot_waits"),
+    (CounterMetricFamily, "scan_slot_leases_expired", "Scan slots a waiting call took from a call that held its "
+     "slot past the lease (waiting on a CF that does not answer)", "scan_slot_leases_expired"),
     # The budget of request bytes in flight (sqm.service.transport): in use near the limit, and refusals, say
     # large requests (puts of large messages) come faster than the member takes them in.
     (GaugeMetricFamily, "request_bytes_in_flight", "Bytes of requests (and large replies) in flight now, counted "

@@ -187,7 +187,7 @@ class SQMServer:
                 "request_slots": self.slots.n, "waiting_for_slot": self.slots.waiting,
                 "slot_waits": self.slots.waits, "slot_leases_expired": self.slots.expired,
                 "scan_slots": self.qm.scans.n, "waiting_for_scan_slot": self.qm.scans.waiting,
-                "scan_slot_waits": self.qm.scans.waits,
+                "scan_slot_waits": self.qm.scans.waits, "scan_slot_leases_expired": self.qm.scans.expired,
                 "request_bytes_in_flight": budget.used, "request_bytes_limit": budget.limit,
                 "request_budget_waits": budget.waits, "request_budget_refusals": budget.refused}
 

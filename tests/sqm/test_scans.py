@@ -96,6 +96,29 @@ def test_a_call_waiting_for_a_scan_slot_gives_its_request_slot_up() -> None:
     assert other_ran.is_set()
 
 
+def test_a_call_past_its_lease_no_longer_keeps_a_waiter_out() -> None:
+    """A call on a CF that does not answer held its slot for its whole socket timeout, and the scans behind it
+    failed one timeout after another. Past LEASE_S its slot is a waiter's."""
+    slots = ScanSlots(1, lease_s=0.2)
+    stuck, release = threading.Event(), threading.Event()
+
+    def silent_cf() -> None:
+        with slots.call():
+            stuck.set()
+            release.wait(5)
+
+    t = threading.Thread(target=silent_cf)
+    t.start()
+    assert stuck.wait(5)
+    t0 = time.monotonic()
+    with slots.call():
+        took = time.monotonic() - t0
+        assert slots.running == 2
+    release.set()
+    t.join(5)
+    assert 0.15 <= took < 1.0 and slots.expired == 1 and (slots.running, slots.waiting) == (0, 0)
+
+
 def test_scan_slots_are_1_to_1024() -> None:
     for bad in (0, 1025):
         with pytest.raises(ValueError, match="scan slots must be 1-1024"):
