@@ -15,17 +15,14 @@ from typing import Any
 import pytest
 
 from tests.support.inprocess_server import RunningServer
-from tests.support.rest_member import TOKEN, serving_rest
+from tests.support.rest_member import TOKEN, rest_member_of_its_own
 
 PATH = "/ibmmq/rest/v3/messaging/qmgr/QM1/queue/Q1/message"
 
 
 @pytest.fixture(scope="module")
 def member(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    client = redis_server.client()
-    client.flushall()  # the session's CF, shared by the module's tests: a group of its own
-    client.close()
-    with serving_rest(redis_server.url, tmp_path_factory.mktemp("credentials")) as running:
+    with rest_member_of_its_own(redis_server, tmp_path_factory.mktemp("credentials")) as running:
         yield running
 
 

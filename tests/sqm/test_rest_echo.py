@@ -19,17 +19,14 @@ from sqm.http_guard import HttpLimits, runner_kwargs
 from sqm.service.rest import mq_failure
 from tests.sqm.test_rest import CSRF, TEXT, Reply, basic, http
 from tests.support.inprocess_server import RunningServer
-from tests.support.rest_member import TOKEN, rest_url, serving_rest
+from tests.support.rest_member import TOKEN, rest_member_of_its_own, rest_url
 
 HOSTILE = "AB\r\nSet-Cookie: owned=1\x1b[2J"  # a line break into a header or a log, a terminal's clear screen
 
 
 @pytest.fixture(scope="module")
 def member(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    client = redis_server.client()
-    client.flushall()  # the session's CF, shared by the module's tests: a group of its own
-    client.close()
-    with serving_rest(redis_server.url, tmp_path_factory.mktemp("echo")) as running:
+    with rest_member_of_its_own(redis_server, tmp_path_factory.mktemp("echo")) as running:
         yield running
 
 

@@ -17,7 +17,7 @@ from cfemu.entry import Entry
 from sqm.service.rest import finite, to_json
 from tests.sqm.test_rest import basic, http
 from tests.support.inprocess_server import RunningServer
-from tests.support.rest_member import TOKEN, rest_url, serving_rest
+from tests.support.rest_member import TOKEN, rest_member_of_its_own, rest_url
 
 ODD = {"nan": math.nan, "inf": math.inf, "ninf": -math.inf, "fine": 1.5, "text": "NaN?"}
 SHOWN = {"nan": "NaN", "inf": "Infinity", "ninf": "-Infinity", "fine": 1.5, "text": "NaN?"}
@@ -25,10 +25,7 @@ SHOWN = {"nan": "NaN", "inf": "Infinity", "ninf": "-Infinity", "fine": 1.5, "tex
 
 @pytest.fixture(scope="module")
 def member(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    client = redis_server.client()
-    client.flushall()  # the session's CF, shared by the module's tests: a group of its own
-    client.close()
-    with serving_rest(redis_server.url, tmp_path_factory.mktemp("json")) as running:
+    with rest_member_of_its_own(redis_server, tmp_path_factory.mktemp("json")) as running:
         yield running
 
 

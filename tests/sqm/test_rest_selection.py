@@ -16,17 +16,14 @@ from cfemu.cf import Structure
 from cfemu.limits import CF_STEP, MAX_ID_LENGTH
 from tests.sqm.test_rest import basic, http
 from tests.support.inprocess_server import RunningServer
-from tests.support.rest_member import TOKEN, rest_url, serving_rest
+from tests.support.rest_member import TOKEN, rest_member_of_its_own, rest_url
 
 BULK = 2 * CF_STEP + 40  # messages sharing one correlation id: more than two batches of the index
 
 
 @pytest.fixture(scope="module")
 def member(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    client = redis_server.client()
-    client.flushall()  # the session's CF, shared by the module's tests: a group of its own
-    client.close()
-    with serving_rest(redis_server.url, tmp_path_factory.mktemp("selection")) as running:
+    with rest_member_of_its_own(redis_server, tmp_path_factory.mktemp("selection")) as running:
         yield running
 
 

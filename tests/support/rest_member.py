@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from sqm.service.config import ServerConfig
 from tests.support.group import define_group
@@ -30,3 +31,13 @@ def serving_rest(redis_url: str, tmp_path: Path) -> Iterator[RunningServer]:
 def rest_url(member: RunningServer, queue: str = "Q1", qmgr: str = "QM1", resource: str = "message") -> str:
     """The URL of a queue's ``resource`` (message, messagelist) on the member; queue and qmgr go in as given."""
     return f"http://127.0.0.1:{member.rest_port}/ibmmq/rest/v3/messaging/qmgr/{qmgr}/queue/{queue}/{resource}"
+
+
+@contextmanager
+def rest_member_of_its_own(redis_server: Any, tmp_path: Path) -> Iterator[RunningServer]:
+    """serving_rest on the session's CF emptied first: a module's tests share it as a group of their own."""
+    client = redis_server.client()
+    client.flushall()
+    client.close()
+    with serving_rest(redis_server.url, tmp_path) as running:
+        yield running
