@@ -18,17 +18,14 @@ import pytest
 
 from tests.sqm.test_rest_connection_ends import AUTH, PATH, connect, read_to_end
 from tests.support.inprocess_server import RunningServer
-from tests.support.rest_member import serving_rest
+from tests.support.rest_member import rest_member_of_its_own
 
 ROUNDS = 24
 
 
 @pytest.fixture
 def member(redis_server: Any, tmp_path: Any) -> Iterator[RunningServer]:
-    client = redis_server.client()
-    client.flushall()
-    client.close()
-    with serving_rest(redis_server.url, tmp_path) as running:
+    with rest_member_of_its_own(redis_server, tmp_path) as running:
         yield running
 
 
