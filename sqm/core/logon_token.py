@@ -135,7 +135,7 @@ def restore_key_file(log_root: str | os.PathLike[str]) -> bool:
 
 
 def _read(path: Path) -> bytes:
-    st = path.lstat()
+    st = path.stat()  # a symbolic link to the key (a secrets mount) is read through
     if not stat.S_ISREG(st.st_mode):
         raise LogonKeyError(f"{path} is not a regular file: the group's logon key must be one ({KEY_BYTES} bytes in "
                             "hex, mode 600)")

@@ -505,12 +505,12 @@ class QueueManager(Outcomes, LogSpace):
                 return
             try:
                 self.retry_pending()
-                if self.log_failed:
-                    continue  # the rest logs (recoveries, checkpoints, expiry, the wings' sweepers): not now
-                recover_peers(self)
                 if restore_key_file(self.config.log_root):
                     log.warning("%s: the group's logon key file was gone: written back from this member's copy",
                                 self.name)
+                if self.log_failed:
+                    continue  # the rest logs (recoveries, checkpoints, expiry, the wings' sweepers): not now
+                recover_peers(self)
                 if self.recauto is not None:
                     self.recauto.check()
                 self._checkpoint_when_due()

@@ -16,7 +16,9 @@ deadlock against each other or against the request slots.
 A slot is a **lease** of LEASE_S, as a request slot is (sqm.request_slots): a call holding one longer (a bounded
 call takes milliseconds) waits on a CF that does not answer, and no longer keeps a waiter out. Without the lease, the
 scans of a silent CF failed one socket timeout after another (four browses through two slots: 1, 2, 3 and 4 s),
-where each should fail after its own.
+where each should fail after its own. The lease frees a slot, not the bound: at most 2n calls are in the CF at
+once, those past their lease counted, so that a CF that is slow (not silent) is not sent more scans the slower it
+gets.
 """
 
 from __future__ import annotations
@@ -57,13 +59,16 @@ class ScanSlots:
     def _live(self, now: float) -> list[float]:
         return [since for since in self._holders.values() if now - since < self.lease_s]
 
+    def _room(self, now: float) -> bool:
+        return len(self._holders) < 2 * self.n and len(self._live(now)) < self.n
+
     @contextmanager
     def call(self) -> Iterator[None]:
         """Hold a slot for the time of one CF call of a scan, waiting for one when all are held (and in lease)."""
         me = next(self._ids)
         with self._cond:
             now = time.monotonic()
-            must_wait = len(self._live(now)) >= self.n
+            must_wait = not self._room(now)
             if must_wait:
                 self.waiting += 1
                 self.waits += 1
@@ -75,11 +80,12 @@ class ScanSlots:
                 with self._cond:
                     while True:
                         now = time.monotonic()
-                        live = self._live(now)
-                        if len(live) < self.n:
+                        if self._room(now):
                             break
-                        self._cond.wait(timeout=max(0.001, min(live) + self.lease_s - now))
-                    if len(live) < len(self._holders):
+                        live = self._live(now)
+                        # a holder's lease ending, or (all 2n in the CF) a holder's release, makes room
+                        self._cond.wait(timeout=max(0.001, min(live) + self.lease_s - now) if live else None)
+                    if len(self._holders) >= self.n:  # past n in the CF: a slot of a call past its lease
                         self.expired += 1
                     self._holders[me] = now
             finally:

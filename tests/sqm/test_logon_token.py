@@ -109,6 +109,20 @@ def test_a_fingerprint_section_edited_into_something_else_is_recorded_again(tmp_
     assert repo.record_logon_key_fingerprint("0" * 32) == "f" * 32  # one recorded: kept
 
 
+def test_a_key_file_that_is_a_link_to_the_key_is_read_through(tmp_path: Path) -> None:
+    """A key kept in a secrets mount and linked into the log root is the group's key; only what the link reaches
+    must be a regular file."""
+    root = tmp_path / "logs"
+    repo = repository.GroupRepository(root)
+    key = logon_token.open_group_key(root, repo)
+    path = logon_token.key_path(root)
+    kept = tmp_path / "secrets" / "logon.key"
+    kept.parent.mkdir(mode=0o700)
+    path.rename(kept)
+    path.symlink_to(kept)
+    assert logon_token.open_group_key(root, repo) == key
+
+
 def test_a_running_members_housekeeping_writes_the_key_file_back(redis_url: str, tmp_path: Path) -> None:
     root = tmp_path / "logs"
     qm = start_qm(redis_url, root, "QM1")

@@ -119,6 +119,31 @@ def test_a_call_past_its_lease_no_longer_keeps_a_waiter_out() -> None:
     assert 0.15 <= took < 1.0 and slots.expired == 1 and (slots.running, slots.waiting) == (0, 0)
 
 
+def test_calls_past_their_lease_still_count_toward_twice_the_slots() -> None:
+    """A slow CF (not a silent one) must not be sent more scans the slower it gets: past their lease, calls still
+    count toward a bound of 2n."""
+    slots = ScanSlots(1, lease_s=0.05)
+    release = threading.Event()
+    inside = threading.Semaphore(0)
+
+    def slow_call() -> None:
+        with slots.call():
+            inside.release()
+            release.wait(5)
+
+    threads = [threading.Thread(target=slow_call) for _ in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)  # past the lease of the one before
+    assert inside.acquire(timeout=5) and inside.acquire(timeout=5)
+    assert not inside.acquire(timeout=0.3)  # the third waits: 2 in the CF, both past their lease
+    assert slots.running == 2 and slots.waiting == 2
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert (slots.running, slots.waiting) == (0, 0)
+
+
 def test_scan_slots_are_1_to_1024() -> None:
     for bad in (0, 1025):
         with pytest.raises(ValueError, match="scan slots must be 1-1024"):
