@@ -684,11 +684,18 @@ class Structure:
         return TopicHead(int(out[0]), state, int(out[2]), keys.text(out[3]), int(out[4]), Entry.unpack(out[5]))
 
     def peek_scan(self, queue: str, match: str, value: str, cursor: str = "0",
-                  count: int = 500) -> tuple[str, list[tuple[Entry, bytes]]]:
+                  count: int = 500, *, heads: bool = False) -> tuple[str, list[tuple[Entry, bytes]]]:
         """A batch of the entries ``peek`` would return, in no order, and the cursor of the next batch ("0": the
-        pass is over): peek_scan.lua, a bounded cost per call however many entries match."""
-        out = self._call("peek_scan", None, [queue, match, value, cursor, count])
+        pass is over): peek_scan.lua, a bounded cost per call however many entries match. ``heads``: their
+        descriptors alone (each data b""), for a caller that reads the data of those it chooses (entry_data)."""
+        out = self._call("peek_scan", None, [queue, match, value, cursor, count, *(["H"] if heads else [])])
         return keys.text(out[0]), _pairs(out[1:])
+
+    def entry_data(self, queue: str, ids: Sequence[str]) -> list[tuple[Entry, bytes] | None]:
+        """For each entry id (1-1000 of them), its descriptor and data while it is an available (committed) entry of
+        ``queue``, else None: one call (entry_data.lua), in the order of ``ids``. The caller bounds the bytes."""
+        out = self._call("entry_data", None, [queue, *ids])
+        return [(Entry.unpack(out[i]), out[i + 1] or b"") if out[i] else None for i in range(0, len(out), 2)]
 
     def pclock(self, *, max_gap_ms: int, floor: int = 0) -> PClockReply:
         """The structure's pseudo-clock (ms of up-time), advanced by the CF's time since the last tick when that gap

@@ -28,7 +28,7 @@ from cfemu.errors import (
     SyncpointLimitError,
     TruncatedMessageError,
 )
-from cfemu.limits import CF_STEP, check_id
+from cfemu.limits import CF_STEP, CF_STEP_BYTES, check_id
 from cfemu.settings import ENV_MAX_UMSGS
 from sqm.core import records
 from sqm.core.client_watch import ClientWatch
@@ -669,36 +669,54 @@ class Connection(UnitOfWorkScope):
         return Browsed((Message.from_entry(e, d) for e, d in found), more=found.more)
 
     def browse_matching(self, queue: str, match: str, values: Sequence[bytes], limit: int, *,
-                        bodies: bool = True) -> list[Message]:
+                        bodies: bool = True, max_bytes: int = 0, each: int = 0) -> list[Message]:
         """Up to ``limit`` available messages whose message id (``match`` 'm') or correlation id ('c') is one of
-        ``values``, not taken, in get order. The queue's index of each id is read a bounded batch per CF call
-        (peek_scan.lua, CF_STEP entries at a time, each call under one of the member's scan slots), so that a call
-        costs the CF a batch however long the queue, and a lookup in all the messages that have that id, not the
-        queue's. Without ``bodies`` the messages come without their data (a list of descriptors), and only the
-        best ``limit`` of them are kept at any time either way."""
+        ``values``, not taken, in get order. The queue's index of each id is read a bounded batch per CF call, by
+        the descriptors alone (peek_scan.lua's heads, CF_STEP entries at a time, each call under one of the member's
+        scan slots), so that a call costs the CF a batch however long the queue, and a lookup in all the messages
+        that have that id, not the queue's; only the best ``limit`` are kept meanwhile. Then the data of those
+        chosen (``bodies``; else descriptors alone) are read, entry_data.lua, at most CF_STEP_BYTES a call: the CF
+        carries the data of the messages shown and no others. ``max_bytes`` (0: any) bounds the data and each
+        message's ``each``: as many as fit, in get order (a message taken meanwhile is left out)."""
         qm = self.qm
         s = qm.structure(qm.queue_def(queue).structure)
         now = now_ms()
-        best: list[tuple[tuple[int, int, int], Entry, bytes]] = []
-        seen: set[str] = set()
+        best: dict[str, tuple[tuple[int, int, int], Entry]] = {}  # entry id -> (get order key, entry)
         for value in dict.fromkeys(v.hex() for v in values):
             cursor = "0"
             while True:
                 with qm.scans.call():
-                    cursor, found = qm.cf_call(partial(s.peek_scan, queue, match, value, cursor, CF_STEP))
-                for e, data in found:
+                    cursor, found = qm.cf_call(partial(s.peek_scan, queue, match, value, cursor, CF_STEP,
+                                                       heads=True))
+                for e, _ in found:
                     # Available only: committed (a held get's entry is taken), and not expired (get never takes it).
-                    if e.id in seen or e.state != "CP" or 0 < e.expiry <= now:
-                        continue
-                    seen.add(e.id)
-                    best.append(((-e.priority, *e.order), e, data if bodies else b""))
-                if len(best) > limit:
-                    best.sort(key=lambda b: b[0])
-                    del best[limit:]
+                    if e.state == "CP" and not 0 < e.expiry <= now:
+                        best[e.id] = ((-e.priority, *e.order), e)
+                if len(best) > limit:  # the best limit kept: a lookup's memory does not grow with its matches
+                    best = dict(sorted(best.items(), key=lambda kv: kv[1][0])[:limit])
                 if cursor == "0":
                     break
-        best.sort(key=lambda b: b[0])
-        return [Message.from_entry(e, data) for _, e, data in best[:limit]]
+        chosen: list[Entry] = []
+        used = 0
+        for _, e in sorted(best.values(), key=lambda b: b[0])[:limit]:
+            if max_bytes and used + e.length + each > max_bytes:
+                break
+            used += e.length + each
+            chosen.append(e)
+        if not bodies:
+            return [Message.from_entry(e, b"") for e in chosen]
+        out: list[Message] = []
+        batch: list[str] = []
+        batch_bytes = 0
+        for k, e in enumerate(chosen):
+            batch.append(e.id)
+            batch_bytes += e.length
+            if k + 1 == len(chosen) or len(batch) == 1000 or batch_bytes + chosen[k + 1].length > CF_STEP_BYTES:
+                ids = list(batch)
+                read = qm.cf_call(partial(s.entry_data, queue, ids))
+                out += [Message.from_entry(got[0], got[1]) for got in read if got is not None]
+                batch, batch_bytes = [], 0
+        return out
 
     # --- syncpoint ----------------------------------------------------------------------------------------
     def commit(self) -> None:

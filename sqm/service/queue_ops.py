@@ -274,7 +274,8 @@ def browse_matching(svc: Service, session: Session, queue: str, match: str, valu
         raise BadRequestError(f"browse: limit must be 1-{MAX_BROWSE}, not {limit}")
     if session.role != OPERATOR:
         _plain(svc, queue, "browse")
-    found = _connection(svc, session).browse_matching(queue, match, values, limit, bodies=bodies)
+    found = _connection(svc, session).browse_matching(queue, match, values, limit, bodies=bodies,
+                                                      max_bytes=session.reply_limit - ENVELOPE, each=MESSAGE_COST)
     session.queues.add(queue)
     return found
 

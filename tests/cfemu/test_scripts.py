@@ -870,6 +870,36 @@ class TestTopicNext:
             s.topic_head(Q, 0)
 
 
+class TestEntryData:
+    def test_gives_each_available_entry_or_none_in_the_order_asked(self, s: Structure, qm1: Caller) -> None:
+        for eid in ("a", "b", "c"):
+            s.put(qm1, entry(eid, correlid="ab"), eid.encode() * 3)
+        s.put(qm1, entry("uncommitted"), b"x", uow="U1")  # not available yet
+        taken = s.get(qm1, Q, uow="U2", match="c", value="ab", now_ms=NOW).entry
+        assert taken is not None and taken.id == "a"  # held by a get: not available
+        got = s.entry_data(Q, ["c", "a", "nothing", "uncommitted", "b"])
+        assert [(one[0].id, one[1]) if one else None for one in got] == [
+            ("c", b"ccc"), None, None, None, ("b", b"bbb")]
+
+    def test_an_entry_of_another_queue_is_not_given(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a", queue=Q2), b"a")
+        assert s.entry_data(Q, ["a"]) == [None]
+
+    def test_changes_nothing(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a"), b"a")
+        before = dump(s)
+        s.entry_data(Q, ["a", "b"])
+        assert dump(s) == before
+
+    def test_refusals(self, s: Structure) -> None:
+        with pytest.raises(UnknownObjectError):
+            s.entry_data("NOQ", ["a"])
+        with pytest.raises(BadRequestError, match="1-1000 entry ids"):
+            s.entry_data(Q, [])
+        with pytest.raises(BadRequestError, match="1-1000 entry ids"):
+            s.entry_data(Q, ["a"] * 1001)
+
+
 class TestPeekScan:
     def test_a_pass_returns_every_match_in_bounded_batches(self, s: Structure, qm1: Caller) -> None:
         # More entries than a set keeps compact (set-max-listpack-entries, 128): a compact set is scanned whole in
@@ -888,6 +918,8 @@ class TestPeekScan:
             if cursor == "0":
                 break
         assert sorted(set(seen)) == sorted(f"e{i}" for i in range(200)) and calls > 1
+        _, heads = s.peek_scan(Q, "c", "cd", "0", count=10, heads=True)  # descriptors alone
+        assert [(e.id, e.length, d) for e, d in heads] == [("other", 1, b"")]
 
     def test_changes_nothing(self, s: Structure, qm1: Caller) -> None:
         s.put(qm1, entry("a", correlid="ab"), b"a")

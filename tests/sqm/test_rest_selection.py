@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from cfemu.cf import Structure
+from cfemu.errors import NoMessageError
 from cfemu.limits import CF_STEP, MAX_ID_LENGTH
 from tests.sqm.test_rest import basic, http
 from tests.support.inprocess_server import RunningServer
@@ -29,20 +30,30 @@ def member(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[int]]]:
-    """The CF's browse pages and index batches the member asks for: the count each asked for."""
-    seen: dict[str, list[int]] = {"browse_page": [], "peek_scan": []}
-    real_page, real_scan = Structure.browse_page, Structure.peek_scan
+    """The CF's browse pages and index batches the member asks for (the count each asked for), and the bytes of
+    data the CF's replies to its index batches and its reads of entries' data carried."""
+    seen: dict[str, list[int]] = {"browse_page": [], "peek_scan": [], "peek_scan_data": [], "entry_data": []}
+    real_page, real_scan, real_data = Structure.browse_page, Structure.peek_scan, Structure.entry_data
 
     def browse_page(self: Structure, queue: str, limit: int, *args: Any, **kw: Any) -> Any:
         seen["browse_page"].append(limit)
         return real_page(self, queue, limit, *args, **kw)
 
-    def peek_scan(self: Structure, queue: str, match: str, value: str, cursor: str = "0", count: int = 500) -> Any:
+    def peek_scan(self: Structure, queue: str, match: str, value: str, cursor: str = "0", count: int = 500,
+                  **kw: Any) -> Any:
         seen["peek_scan"].append(count)
-        return real_scan(self, queue, match, value, cursor, count)
+        out = real_scan(self, queue, match, value, cursor, count, **kw)
+        seen["peek_scan_data"].append(sum(len(d) for _, d in out[1]))
+        return out
+
+    def entry_data(self: Structure, queue: str, ids: Any) -> Any:
+        out = real_data(self, queue, ids)
+        seen["entry_data"].append(sum(len(got[1]) for got in out if got))
+        return out
 
     monkeypatch.setattr(Structure, "browse_page", browse_page)
     monkeypatch.setattr(Structure, "peek_scan", peek_scan)
+    monkeypatch.setattr(Structure, "entry_data", entry_data)
     yield seen
 
 
@@ -85,5 +96,29 @@ def test_a_lookup_by_id_reads_the_ids_index_in_bounded_batches_not_the_queue(
         assert calls["peek_scan"] and max(calls["peek_scan"]) <= CF_STEP
         assert get(member, "?correlationId=").body == get(member, "").body  # none to match, as a DELETE reads it
         taker.close()
+    finally:
+        conn.close()
+
+
+def test_a_lookup_carries_from_the_cf_the_data_of_the_messages_it_shows_and_no_others(
+        member: RunningServer, calls: dict[str, list[int]]) -> None:
+    """The index's batches carried every match's data: 256 messages of the largest size a queue takes, one call's
+    reply of gigabytes for a lookup that shows one. They carry descriptors now; the data is read for those shown."""
+    conn = member.server.qm.connect()
+    big = 256 * 1024
+    try:
+        for i in range(12):
+            conn.put("Q1", bytes([65 + i]) * big, correlid=b"large", persistent=False, syncpoint=False)
+        r = get(member, "?correlationId=large")
+        assert (r.status, r.body) == (200, b"A" * big)
+        assert sum(calls["peek_scan_data"]) == 0 and calls["entry_data"] == [big]
+        listed = get(member, "?correlationId=large&limit=3", "messagelist").json()["messages"]
+        assert len(listed) == 3 and calls["entry_data"] == [big]  # a list shows descriptors: no data read
+        assert sum(calls["peek_scan_data"]) == 0
+        while True:  # leave the queue as the module found it
+            try:
+                conn.get("Q1", correlid=b"large", syncpoint=False)
+            except NoMessageError:
+                break
     finally:
         conn.close()
