@@ -13,15 +13,15 @@ its token is not slowed.
 The price, as for any lockout: while a user id's token is being guessed, a logon with a token the window has not
 seen (the right one too) waits or is refused. Said in the member's log, once a minute per user id.
 
-What it remembers is bounded (USERS_TRACKED user ids), and forgetting a user id gives it FREE guesses again:
-flooding the table with logons of new user ids pushed a guessed user out, and with it the brake (a token found at
-about 10 guesses a second). So user ids whose window is over are forgotten first, and while more than
-USERS_UNPACED user ids are in their window, each logon of a user id not remembered waits EVICT_DELAY_S after the
-one before it, member-wide (refused past WAIT_MAX_S); only then, at USERS_TRACKED, is the least recently used
-pushed out. To push a guessed user out a flood must add at least USERS_TRACKED - USERS_UNPACED user ids at that
-pace, longer than the window: the brake holds. The price: while more than USERS_UNPACED user ids have logged on
-within FORGET_S (a flood of new user ids, or a member with that many users), logons of user ids not remembered are
-paced at 1/EVICT_DELAY_S a second; users remembered are not. Said in the member's log, once a minute."""
+What it remembers is bounded (USERS_TRACKED user ids), and forgetting a user id gives it FREE guesses again: a
+flood of logons of new user ids once pushed a guessed user out, and with it the brake (a token found at about 10
+guesses a second). So the user id forgotten to make room is the least braked: those with one token in their window
+first, then those with several, then by how far their brake has gone (its delays); within each, the one that got
+there first (a logon again with a token seen does not move it: re-logons of many user ids cannot make a braked one
+the oldest). To push a braked user out, a flood must bring the table's every other user id at least as far, after
+her: FREE and more different tokens each, for tens of thousands of user ids, and again for each round of her
+guesses: no faster than a few times the brake's own rate, with the member's log saying it (a braked user id
+forgotten is said, once a minute). Nothing is paced member-wide: a flood of new user ids slows no other user."""
 
 from __future__ import annotations
 
@@ -42,9 +42,8 @@ FORGET_S = 300.0
 DELAY_BASE_S = 0.25
 DELAY_MAX_S = 5.0
 WAIT_MAX_S = 10.0  # a logon is refused rather than held longer than this (well inside a client's request timeout)
-USERS_TRACKED = 32768  # user ids remembered (those whose window is over forgotten first)
-USERS_UNPACED = 8192  # user ids in their window beyond which a new one is paced
-EVICT_DELAY_S = 0.0125  # between logons of new user ids beyond USERS_UNPACED (member-wide)
+USERS_TRACKED = 32768  # user ids remembered (the least braked forgotten first)
+RANKS = 11  # 0: one token in the window; 1: several; 1 + delays (at most RANKS - 1): braked
 TOKENS_KEPT = 64  # digests remembered per user id (the oldest forgotten first)
 WARN_EVERY_S = 60.0
 
@@ -55,6 +54,12 @@ class _User:
     delays: int = 0  # tokens beyond FREE within the window: the next delay's exponent
     next_at: float = 0.0  # when the next new token may pass
     warned_at: float = float("-inf")
+    rank: int = 0  # how far its brake has gone: what room is made of last
+
+    def ranked(self) -> int:
+        if self.delays:
+            return min(RANKS - 1, 1 + self.delays)
+        return 1 if len(self.seen) > 1 else 0
 
 
 class LogonGuesses:
@@ -62,10 +67,11 @@ class LogonGuesses:
 
     def __init__(self) -> None:
         self._key = secrets.token_bytes(32)  # digests of tokens mean nothing outside this process
-        self._users: OrderedDict[str, _User] = OrderedDict()
+        self._users: dict[str, _User] = {}
+        # by rank, in the order they reached it: whom room is made of, the least braked and first there first
+        self._ranks: list[OrderedDict[str, _User]] = [OrderedDict() for _ in range(RANKS)]
         self._lock = threading.Lock()
-        self._evict_next_at = 0.0  # when the next logon that pushes out a live user id may pass
-        self._evict_warned_at = float("-inf")
+        self._forgot_warned_at = float("-inf")
 
     def _digest(self, token: str) -> bytes:
         return hmac.new(self._key, token.encode(), hashlib.sha256).digest()[:16]
@@ -76,69 +82,66 @@ class LogonGuesses:
         digest = self._digest(token)
         with self._lock:
             u = self._users.get(user)
-            wait = 0.0
             if u is None:
-                wait = self._make_room(peer, now)
+                self._make_room(peer, now)
                 u = self._users[user] = _User()
-            else:
-                self._users.move_to_end(user)
-            for d, at in list(u.seen.items()):
-                if now - at > FORGET_S:
-                    del u.seen[d]
-            if not u.seen:
-                u.delays = 0
-            if digest in u.seen:
-                u.seen.move_to_end(digest)
-                u.seen[digest] = now
-                return 0.0
-            if len(u.seen) < FREE:
-                u.seen[digest] = now
-                return wait
-            start = max(now, u.next_at)
-            if start - now > WAIT_MAX_S:
-                self._warn(user, u, peer, now, refused=True)
-                raise LogonThrottledError(
-                    f"logon: user {user} has logged on with {len(u.seen)} different tokens in the last "
-                    f"{FORGET_S:.0f} s (a token being guessed?): try again later")
-            u.next_at = start + min(DELAY_MAX_S, DELAY_BASE_S * 2 ** min(u.delays, 30))
-            u.delays += 1
-            u.seen[digest] = now
-            while len(u.seen) > TOKENS_KEPT:
-                u.seen.popitem(last=False)
-            self._warn(user, u, peer, now, refused=False)
-            return start - now
+                self._ranks[0][user] = u
+            try:
+                return self._delay(user, u, digest, peer, now)
+            finally:
+                self._rerank(user, u)
 
-    def _make_room(self, peer: str, now: float) -> float:
-        """Room for one more user id (the seconds it waits first, or LogonThrottledError): those whose window is
-        over forgotten first (two at most a call: the table drains as fast as it fills); past USERS_UNPACED one
-        at a time, EVICT_DELAY_S apart; at USERS_TRACKED the least recently used pushed out."""
-        for _ in range(2):
-            oldest = next(iter(self._users.values()), None)
-            if oldest is None or (oldest.seen and now - max(oldest.seen.values()) <= FORGET_S):
-                break
-            self._users.popitem(last=False)
-        if len(self._users) < min(USERS_UNPACED, USERS_TRACKED):
+    def _delay(self, user: str, u: _User, digest: bytes, peer: str, now: float) -> float:
+        for d, at in list(u.seen.items()):
+            if now - at > FORGET_S:
+                del u.seen[d]
+        if not u.seen:
+            u.delays = 0
+        if digest in u.seen:
+            u.seen.move_to_end(digest)
+            u.seen[digest] = now
             return 0.0
-        start = max(now, self._evict_next_at)
+        if len(u.seen) < FREE:
+            u.seen[digest] = now
+            return 0.0
+        start = max(now, u.next_at)
         if start - now > WAIT_MAX_S:
-            self._warn_full(peer, now, refused=True)
+            self._warn(user, u, peer, now, refused=True)
             raise LogonThrottledError(
-                f"logon: {len(self._users)} user ids have logged on in the last {FORGET_S:.0f} s, more than this "
-                "member lets in at once (a flood of new user ids?): a user id not among them must try again later")
-        self._evict_next_at = start + EVICT_DELAY_S
-        if len(self._users) >= USERS_TRACKED:
-            self._users.popitem(last=False)
-        self._warn_full(peer, now, refused=False)
+                f"logon: user {user} has logged on with {len(u.seen)} different tokens in the last "
+                f"{FORGET_S:.0f} s (a token being guessed?): try again later")
+        u.next_at = start + min(DELAY_MAX_S, DELAY_BASE_S * 2 ** min(u.delays, 30))
+        u.delays += 1
+        u.seen[digest] = now
+        while len(u.seen) > TOKENS_KEPT:
+            u.seen.popitem(last=False)
+        self._warn(user, u, peer, now, refused=False)
         return start - now
 
-    def _warn_full(self, peer: str, now: float, *, refused: bool) -> None:
-        if now - self._evict_warned_at < WARN_EVERY_S:
+    def _rerank(self, user: str, u: _User) -> None:
+        """Move the user id to the rank its brake is at now, behind those there before it (a logon that changes
+        nothing leaves it where it was)."""
+        rank = u.ranked()
+        if rank != u.rank:
+            del self._ranks[u.rank][user]
+            u.rank = rank
+            self._ranks[rank][user] = u
+
+    def _make_room(self, peer: str, now: float) -> None:
+        """Room for one more user id: one whose window is over (the first of a rank), else the least braked (the
+        first of the lowest rank)."""
+        if len(self._users) < USERS_TRACKED:
             return
-        self._evict_warned_at = now
-        log.warning("logons of %d user ids in the last %.0f s, more than the member lets in at once, the latest from %s "
-                    "(a flood of new user ids, to push a guessed one out?): logons of user ids not among them %s",
-                    len(self._users), FORGET_S, peer,
-                    "are refused for now" if refused else f"wait {EVICT_DELAY_S * 1000:.0f} ms each, one at a time")
+        heads = [(rank, next(iter(r.items()))) for rank, r in enumerate(self._ranks) if r]
+        over = next((h for h in heads if not h[1][1].seen or now - max(h[1][1].seen.values()) > FORGET_S), None)
+        rank, (user, _) = over or heads[0]
+        del self._ranks[rank][user]
+        del self._users[user]
+        if over is None and rank >= 2 and now - self._forgot_warned_at >= WARN_EVERY_S:
+            self._forgot_warned_at = now
+            log.warning("the brake of user %s on guessing its token was forgotten to make room for a new user id, "
+                        "the latest from %s: %d user ids, every one as far braked or further (a flood of user ids "
+                        "with many tokens, to free a guessed one?)", user, peer, len(self._users) + 1)
 
     def _warn(self, user: str, u: _User, peer: str, now: float, *, refused: bool) -> None:
         if now - u.warned_at < WARN_EVERY_S:
@@ -149,6 +152,4 @@ class LogonGuesses:
                     "is refused for now" if refused else f"waits, up to {WAIT_MAX_S:.0f} s")
 
 
-__all__ = ["DELAY_BASE_S", "DELAY_MAX_S", "EVICT_DELAY_S", "FORGET_S", "FREE", "USERS_TRACKED", "USERS_UNPACED",
-           "WAIT_MAX_S",
-           "LogonGuesses"]
+__all__ = ["DELAY_BASE_S", "DELAY_MAX_S", "FORGET_S", "FREE", "RANKS", "USERS_TRACKED", "WAIT_MAX_S", "LogonGuesses"]

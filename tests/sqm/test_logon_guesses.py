@@ -14,7 +14,6 @@ from sqm.conversations import logon_guesses
 from sqm.conversations.logon_guesses import (
     DELAY_BASE_S,
     DELAY_MAX_S,
-    EVICT_DELAY_S,
     FORGET_S,
     FREE,
     WAIT_MAX_S,
@@ -71,36 +70,42 @@ def test_what_it_keeps_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_flood_of_new_user_ids_does_not_push_a_guessed_user_out_of_the_brake(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The table was least recently used first: FREE guesses for the victim, then as many logons of new user ids
     as the table holds, pushed her out, and her next FREE guesses passed at once again (a token found at about 10
-    guesses a second). A user id still in its window is now pushed out only EVICT_DELAY_S after the one before,
-    member-wide: a flood that waits as told reaches the victim only once her window is over (the table's size
-    times EVICT_DELAY_S is longer than the window, as with the shipped values), and one that does not wait is
-    refused past WAIT_MAX_S."""
-    assert (logon_guesses.USERS_TRACKED - logon_guesses.USERS_UNPACED) * EVICT_DELAY_S > FORGET_S  # as shipped
-    monkeypatch.setattr(logon_guesses, "USERS_TRACKED", 50)
-    monkeypatch.setattr(logon_guesses, "USERS_UNPACED", 10)
-    monkeypatch.setattr(logon_guesses, "EVICT_DELAY_S", FORGET_S / 39)  # the same rule, a small table
+    guesses a second); re-logons of the other user ids, with a token they had used, made her the oldest just as
+    well. Room is now made of the least braked user id first, in the order they got there; a flood slows no one."""
+    monkeypatch.setattr(logon_guesses, "USERS_TRACKED", 8)
     g = LogonGuesses()
-    for i in range(FREE):
+    for i in range(FREE + 2):  # dave's token guessed: braked (two delays)
         g.delay("dave", f"guess{i}", "attacker", 0.0)
-    now, filler = 0.0, 0
-    while "dave" in g._users:  # the patient flood: each logon waits as it is told
-        now += g.delay(f"filler{filler}", "t", "attacker", now)
-        filler += 1
-    assert now > FORGET_S, f"the victim pushed out after {now:.0f} s, inside her window of {FORGET_S:.0f} s"
-    assert "a flood of new user ids" in caplog.text
-    # the impatient flood: refused once the push-outs queued pass WAIT_MAX_S
+    for i in range(7):
+        assert g.delay(f"filler{i}", "t", "attacker", 1.0) == 0.0
+    for i in range(7):  # again with their token: the fillers are the most recent now, dave the oldest
+        assert g.delay(f"filler{i}", "t", "attacker", 2.0) == 0.0
+    for i in range(7, 1000):  # a flood of new user ids: no one waits
+        assert g.delay(f"filler{i}", "t", "attacker", 3.0) == 0.0
+    assert "dave" in g._users and g._users["dave"].delays == 2
+    g.delay("dave", "guess-after-the-flood", "attacker", 3.0)
+    assert g._users["dave"].delays == 3  # her brake goes on where it was: no free guesses again
+
+
+def test_a_braked_user_id_goes_only_after_every_other_is_as_far_braked_and_got_there_after_it(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(logon_guesses, "USERS_TRACKED", 4)
     g = LogonGuesses()
-    for i in range(FREE):
-        g.delay("dave", f"guess{i}", "attacker", 0.0)
-    with pytest.raises(LogonThrottledError, match="user ids have logged on in the last"):
-        for i in range(100):
-            g.delay(f"filler{i}", "t", "attacker", 0.0)
-    assert "dave" in g._users and g._users["dave"].delays == 0
-    assert g.delay("dave", "guess-after-the-flood", "attacker", 0.0) == 0.0  # the first beyond FREE: no wait yet,
-    assert g._users["dave"].delays == 1  # but counted where the brake was: no free guesses again
+
+    def brake(user: str, delays: int, now: float) -> None:
+        for i in range(FREE + delays):
+            g.delay(user, f"{user}-{i}", "attacker", now)
+
+    brake("dave", 1, 0.0)
+    brake("a", 2, 1.0)  # further braked: goes after dave
+    brake("b", 1, 2.0)  # as far, and after him
+    brake("c", 1, 3.0)
+    g.delay("new", "t", "attacker", 4.0)  # the first to reach the lowest rank: dave
+    assert "dave" not in g._users and {"a", "b", "c", "new"} == set(g._users)
+    assert "was forgotten to make room for a new user id" in caplog.text
 
 
 def test_a_user_id_whose_window_is_over_makes_room_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
