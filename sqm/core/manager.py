@@ -71,6 +71,7 @@ Wing = Callable[["QueueManager"], None]
 # A housekeeping failure that repeats (every pass, five a second, as when the process is out of file descriptors) is
 # logged once a minute per kind, the first with its traceback, the repeats counted: never a log flood.
 HOUSEKEEPING_LOG_EVERY_S = 60.0
+HEARTBEAT_RETRY_S = 0.1  # how soon a failed lease renewal is tried again
 
 
 def failure_kind(e: BaseException) -> str:
@@ -474,23 +475,30 @@ class QueueManager(Outcomes, LogSpace):
         may assume it finished). Only a fenced member stops renewing: one whose log failed serves non-persistent
         work and keeps its units of work (log_failure) until it is stopped; then its lease lapses."""
         period = self.config.lease_ms / 3000
+        # A failed renewal is tried again soon, not a period later: after a cut of 2/3 of the lease, the lease set
+        # just under a period before the cut lapsed a moment after the link came back, before the next period's
+        # renewal, and peers fenced a member that had been reachable again for most of a second.
+        retry = min(period, HEARTBEAT_RETRY_S)
+        wait = period
         failing = ""
         stop = self._stop
-        while not stop.wait(period):
+        while not stop.wait(wait):
             try:
                 self.renew_membership()
             except FencedError:
                 return
             except Exception as e:  # noqa: BLE001 - the heartbeat must outlive any one failed renewal
                 # A dead CF, a transient OOM refusal, a script error on a malformed admin entry: the lease is
-                # ours until it lapses, so try again next period. A heartbeat thread that died here let a healthy
+                # ours until it lapses, so try again soon. A heartbeat thread that died here let a healthy
                 # member's lease lapse for good, and its peers fenced it: the rule is that only a fenced member
                 # or a failed log stops renewing (docs/invariants.md, invariant 1).
                 what = f"{type(e).__name__}: {e}"
                 if what != failing:
-                    log.warning("%s: lease renewal failed (will retry every %.1fs): %s", self.name, period, what)
+                    log.warning("%s: lease renewal failed (will retry every %.1fs): %s", self.name, retry, what)
                 failing = what
+                wait = retry
                 continue
+            wait = period
             if failing:
                 log.warning("%s: lease renewed again", self.name)
                 failing = ""

@@ -68,6 +68,33 @@ def test_the_heartbeat_rides_out_a_transient_out_of_memory_refusal(member: tuple
         admin.redis.config_set("maxmemory", 0)
 
 
+def test_a_failed_renewal_is_tried_again_soon_not_a_period_later(member: tuple[QueueManager, Admin],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cut of 2/3 of the lease (the chaos suite's cf-link-cut of 2 s against a lease of 3 s): the renewal after
+    the link came back waited a whole period, and the lease set just under a period before the cut lapsed first:
+    peers fenced a member reachable again. Failed renewals are now tried again every HEARTBEAT_RETRY_S."""
+    qm, admin = member
+    attempts: list[float] = []
+    real = qm.renew_membership
+    cut = threading.Event()
+    cut.set()
+
+    def renew() -> None:
+        attempts.append(time.monotonic())
+        if cut.is_set():
+            raise ConnectionError("the link to the CF is cut")
+        real()
+
+    monkeypatch.setattr(qm, "renew_membership", renew)
+    time.sleep(LEASE_MS / 1000)  # a third of the lease a period: failing from the first
+    cut.clear()
+    healed = time.monotonic()
+    assert _lease_renewed_after(admin, "QM1", healed, timeout=2.0)
+    gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
+    assert len(attempts) >= 4 and min(gaps) < 0.2, gaps  # retried within HEARTBEAT_RETRY_S, not LEASE_MS / 3
+    assert not qm.fenced
+
+
 def test_one_malformed_admin_entry_is_reported_and_skipped_not_fatal(member: tuple[QueueManager, Admin]) -> None:
     qm, admin = member
     admin.redis.hset(MEMBERS, "QMBAD", b"\xc1 not msgpack")
