@@ -25,7 +25,7 @@ from cfemu.limits import DESCRIPTOR_ALLOWANCE
 from qsg.chaos.conversations import service_queues
 from qsg.chaos.faults.heal import client_ep, history_of, restart
 from qsg.chaos.faults.kind import Draw, FaultError, FaultKind, FaultSpec, Step, register
-from qsg.chaos.group import EDGE_QUEUE, ChaosGroup
+from qsg.chaos.group import BULK_QUEUE, EDGE_QUEUE, ChaosGroup
 from qsg.chaos.history import FAIL as CALL_FAIL
 from qsg.chaos.history import OK as CALL_OK
 from qsg.chaos.history import UNKNOWN as CALL_UNKNOWN
@@ -338,6 +338,93 @@ register(FaultKind(
         "(MQRC_SYNCPOINT_LIMIT_REACHED); then BACKOUT, or the client leaves and the SQM backs it out (from the seed), "
         "in bounded CF steps. Meanwhile every SQM is probed every 0.3 s: a probe slower than the lease, a failed one, "
         "or a member fenced or dead is a fault error; nothing of the unit of work may be delivered (`phantom`)"))
+
+
+STORM_EXPIRED = 100_000  # expired messages the browsers must page past
+STORM_BROWSERS = 4
+STORM_S = 3.0  # how long the browsers browse
+STORM_PROBE_S = 2.0  # the slowest probe allowed meanwhile (a probe takes tens of ms on an idle group)
+
+
+def browse_storm(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Browsers of a queue whose live message sits behind STORM_EXPIRED expired ones, while the workload goes on.
+    Through the target SQM, BULK (outside the history) gets STORM_EXPIRED non-persistent messages that expire at
+    once, then one live message; STORM_BROWSERS clients browse it for STORM_S, each browse of 10 must show exactly the
+    live one. Meanwhile every member is probed: one browse call walked the whole queue in the CF, which runs one
+    call at a time, so every member's gets, commits and lease renewals waited behind the browsers; a probe slower
+    than STORM_PROBE_S, a failed one, or a member fenced or dead is a fault error. The live message is taken at the
+    end; the expired ones are left to the members' expiry."""
+    name = f"storm{f.n}"
+    before = _members_state(g)
+    problems: list[str] = []
+    out: dict[str, Any] = {"expired": STORM_EXPIRED, "browsers": STORM_BROWSERS}
+    live = f"{name}-live".encode()
+    with Client([g.direct[f.target]], token=g.c.token, client_name=name, request_timeout=60.0) as c:
+        t0 = time.monotonic()
+        for start in range(0, STORM_EXPIRED, 1000):
+            c.put_batch([{"body": b"x", "persistent": False, "expiry_ms": 1}
+                         for _ in range(min(1000, STORM_EXPIRED - start))], queue=BULK_QUEUE, syncpoint=False)
+        c.put(BULK_QUEUE, live, syncpoint=False)
+        out["fill_s"] = round(time.monotonic() - t0, 3)
+        step(f"{STORM_EXPIRED} expired messages and one live on {BULK_QUEUE}")
+        time.sleep(0.05)  # every filler expired
+        counts = [0] * STORM_BROWSERS
+        wrong: list[str] = []
+        stop = threading.Event()
+
+        def browser(k: int) -> None:
+            with Client([g.direct[f.target]], token=g.c.token, client_name=f"{name}-{k}",
+                        request_timeout=60.0) as b:
+                while not stop.is_set():
+                    try:
+                        seen = [m.body for m in b.browse(BULK_QUEUE, limit=10)]
+                    except MQError as e:
+                        wrong.append(f"browser {k}: {e!r:.160}")
+                        return
+                    counts[k] += 1
+                    if seen != [live]:
+                        wrong.append(f"browser {k} saw {len(seen)} messages, not the live one alone")
+                        return
+
+        with _LatencyWatch(g) as watch:
+            threads = [threading.Thread(target=browser, args=(k,), name=f"{name}-{k}") for k in range(STORM_BROWSERS)]
+            for t in threads:
+                t.start()
+            stop.wait(STORM_S)
+            stop.set()
+            for t in threads:
+                t.join(120)
+        out["browses"] = sum(counts)
+        problems += wrong[:3]
+        step("heal")
+        taken = c.get(BULK_QUEUE, syncpoint=False, wait_ms=5000)
+        if taken.body != live:
+            problems.append(f"the get after the storm took {taken.body[:40]!r}, not the live message")
+    out["slowest_probe_s"] = watch.slowest
+    out["failed_probes"] = {n: v for n, v in watch.failed.items() if v}
+    after = _members_state(g)
+    for n, (pid, epoch) in before.items():
+        if after.get(n) != (pid, epoch):
+            problems.append(f"{n} was fenced or died during the browse storm (process, epoch {pid}, {epoch} -> "
+                            f"{after.get(n)})")
+    slow = {n: v for n, v in watch.slowest.items() if v > STORM_PROBE_S}
+    if slow or out["failed_probes"]:
+        problems.append(f"other clients waited longer than {STORM_PROBE_S:g}s while the browsers paged past "
+                        f"{STORM_EXPIRED} expired messages: slowest probes {slow}, failed probes {out['failed_probes']}")
+    if not out["browses"]:
+        problems.append("no browse ended within the storm")
+    if problems:
+        raise FaultError("; ".join(problems))
+    return out
+
+
+register(FaultKind(
+    "browse-storm", browse_storm, number=35, cost_s=12.0,
+    doc="through the SQM, BULK (outside the history) gets 100,000 non-persistent messages that expire at once, then "
+        "one live message; 4 clients browse it (10 at a time) for 3 s, each browse must show the live message "
+        "alone; meanwhile every SQM is probed every 0.3 s: a probe slower than 2 s, a failed one, or a member fenced "
+        "or dead is a fault error (one browse call walked the whole queue in the CF, and every member's calls waited "
+        "behind it); the live message is taken at the end"))
 
 
 SNOOP_TOKENS = ("guess", "")  # the tokens a snooper tries besides those it finds: a guess, and none

@@ -214,6 +214,15 @@ def test_snoop_run_finds_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_browse_storm_run_finds_nothing(tmp_path: Path) -> None:
+    """The fault kind browse-storm: browsers paging past 100,000 expired messages to the live one keep no member's
+    calls waiting (every probe within 2 s, nobody fenced), and every browse shows the live message alone."""
+    s = kind_run(tmp_path, "browse-storm", 1, 10)
+    assert all(f["timings"]["browses"] >= 4 for f in s["faults"]), s["faults"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_log_volume_missing_run_finds_nothing(tmp_path: Path) -> None:
     """The fault kind log-volume-missing: a member killed -9 whose log volume does not come back is recovered by no
     peer and refuses to start (the configuration exit code) until the volume is back; then it restarts from its log
