@@ -7,11 +7,12 @@
 -- whatever its length), so that no browse holds the CF, which runs one script at a time, for longer than a page
 -- (the prelude's "Outcomes in bounded steps").
 -- Read only. Refuses with TOOLONG when even the browse's first message does not fit.
--- The cursor is "p:i" or "p:i:o1:o2": the priority list the next call reads, the position in it to read from, and
--- the order (commit LRSN, put LRSN) of the last entry visited in it. A list is kept in order, so when entries
--- before that position were taken or added between the calls, the next call finds its place again by that order:
--- the first entry after it. An entry there for the whole browse is returned once; one that comes or goes meanwhile
--- may or may not be.
+-- The cursor is "p:i" or "p:i:o1:o2:id": the priority list the next call reads, the position in it to read from,
+-- and the order (commit LRSN, put LRSN) and id of the last entry visited in it. When that entry is still just
+-- before the position, the next call goes on from there (entries of equal order, which a list may hold, are not
+-- skipped at a page's end). Else entries before the position were taken or added between the calls, and the next
+-- call finds its place again by the order (a list is kept in order): the first entry after it. An entry there for
+-- the whole browse is returned once; one that comes or goes meanwhile may or may not be.
 -- ARGV: 1 queue, 2 max count, 3 now (ms), 4 max bytes (0 or absent = any), 5 bytes each message costs beyond its
 --       data and descriptor (0 or absent = none), 6 cursor ('' or absent: the queue's head), 7 messages the
 --       browse's earlier calls returned, 8 bytes they took of ARGV[4], 9 the most entries this call visits,
@@ -27,12 +28,13 @@ local cursor = ARGV[6] or ''
 local n, used = tonumber(ARGV[7] or '0') or 0, tonumber(ARGV[8] or '0') or 0
 local visits, page_bytes = budget_of(ARGV[9]), budget_of(ARGV[10])
 if redis.call('SISMEMBER', QUEUES, queue) == 0 then return redis.error_reply('NOQUEUE ' .. queue) end
-local top, from, last1, last2 = 9, 0, nil, nil
+local top, from, last1, last2, last_id = 9, 0, nil, nil, nil
 if cursor ~= '' then
-  local p, i, o1, o2 = string.match(cursor, '^(%d):(%d+):?(%-?%d*):?(%-?%d*)$')
+  local p, i, o1, o2, id = string.match(cursor, '^(%d):(%d+):?(%-?%d*):?(%-?%d*):?(.*)$')
   if not p then return redis.error_reply('BADARG cursor ' .. cursor) end
   top, from = tonumber(p), tonumber(i)
   if o1 ~= '' and o2 ~= '' then last1, last2 = tonumber(o1), tonumber(o2) end
+  if id ~= '' then last_id = id end
 end
 
 -- Whether entry d comes after the last one visited, in get order.
@@ -47,6 +49,7 @@ local function resume(k, i)
   local len = redis.call('LLEN', k)
   if i > len then i = len end
   local prev = i > 0 and load(redis.call('LINDEX', k, i - 1))
+  if prev and last_id and prev.id == last_id then return i end
   local here = i < len and load(redis.call('LINDEX', k, i))
   if not (prev and after_last(prev)) and not (here and not after_last(here)) then return i end
   local lo, hi = 0, len
@@ -66,7 +69,7 @@ for p = top, 0, -1 do
   if p == top then
     at = last1 and resume(k, from) or from
   else
-    last1, last2 = nil, nil
+    last1, last2, last_id = nil, nil, nil
   end
   local stop = false
   while not stop do
@@ -89,13 +92,14 @@ for p = top, 0, -1 do
         out[#out + 1] = raw
         out[#out + 1] = redis.call('HGET', DATA, id)
       end
-      if d then last1, last2 = d.o1 or 0, d.o2 or 0 end
+      if d then last1, last2, last_id = d.o1 or 0, d.o2 or 0, d.id end
       at = at + 1
     end
   end
   if stop then
     out[1] = more
-    out[2] = string.format('%d:%d', p, at) .. (last1 and string.format(':%.0f:%.0f', last1, last2) or '')
+    out[2] = string.format('%d:%d', p, at) .. (last1 and string.format(':%.0f:%.0f:%s', last1, last2, last_id or '')
+      or '')
     return out
   end
 end

@@ -633,6 +633,20 @@ class TestBrowse:
             cursor = nxt.cursor
         assert rest == [f"m{i:02d}" for i in range(8, 20)] + ["late"]
 
+    def test_a_page_that_ends_between_entries_of_equal_order_skips_neither(self, admin: Admin, s: Structure,
+                                                                          qm1: Caller) -> None:
+        """Two members' puts committed in one operation can share an order (commit LRSN, put LRSN): a page that
+        ended between them resumed by the order alone, past both, and the second was never shown. The cursor
+        names the last entry visited, and the next page goes on right after it."""
+        qm2 = join(admin, "QM2")
+        for caller, eid, commit, put in ((qm1, "a", 150, 50), (qm1, "b", 200, 100), (qm2, "c", 200, 100),
+                                         (qm2, "d", 300, 250)):
+            s.put_committed(caller, entry(eid), eid.encode(), uow=f"U{eid}", gen=1, put_lrsn=put, lrsn=commit)
+        whole = [e.id for e, _ in s.browse(Q, 10, NOW)]
+        assert sorted(whole) == ["a", "b", "c", "d"]
+        for step in (1, 2, 3):
+            assert [e.id for e, _ in s.browse(Q, 10, NOW, step=step)] == whole, step
+
     def test_refusals(self, admin: Admin, s: Structure) -> None:
         with pytest.raises(UnknownObjectError):
             s.browse("NOQ", 10, NOW)
