@@ -22,7 +22,6 @@ persistent put, commit, get, commit).
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 
@@ -89,18 +88,23 @@ def parse_kinds(text: str) -> tuple[str, ...]:
 
 def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[str], *, lease_ms: int,
              warmup: float = 3.0) -> list[FaultSpec]:
-    """The fault schedule of a seed: one fault at a time, kinds in a seed-rotated order (so consecutive seeds
-    start with different kinds and a soak covers every kind), targets and parameters drawn from the seed by each
-    kind's row. A contract: tests/qsg/chaos/schedules.json holds the schedules of many seeds."""
+    """The fault schedule of a seed: one fault at a time, kinds in turn from where the seed before it stopped (seed 1
+    from the first), so that consecutive seeds go on through the kinds and a soak of seeds 1 to N covers every kind
+    as soon as their faults together are as many as the kinds; targets and parameters drawn from the seed by each
+    kind's row. (A fixed stride between the seeds' first kinds left kinds out of a 20-seed soak whenever a kind was
+    added: which ones depended on the number of kinds.) A contract: tests/qsg/chaos/schedules.json holds the
+    schedules of many seeds."""
     if not kinds:
         return []
+    start = 0
+    for earlier in range(1, seed):  # where each seed before it stopped (seeds below 1 start at the first kind)
+        start = (start + len(_drawn(earlier, kinds, start, duration, managers, lease_ms, warmup))) % len(kinds)
+    return _drawn(seed, kinds, start, duration, managers, lease_ms, warmup)
+
+
+def _drawn(seed: int, kinds: tuple[str, ...], start: int, duration: float, managers: list[str], lease_ms: int,
+           warmup: float) -> list[FaultSpec]:
     rnd = random.Random(f"faults-{seed}")
-    # A stride coprime with the number of kinds, so that consecutive seeds start at every kind in turn; the one
-    # nearest a third of them, so that consecutive seeds start far apart and a few seeds of a few faults each
-    # cover every kind (a kind that fills a run alone, as huge-uow, leaves the one after it to another seed's start).
-    stride = min((k for k in range(1, len(kinds) + 1) if math.gcd(k, len(kinds)) == 1),
-                 key=lambda k: (abs(3 * k - len(kinds)), k))
-    start = (seed * stride) % len(kinds)
     order = kinds[start:] + kinds[:start]
     out: list[FaultSpec] = []
     t = warmup + rnd.uniform(0, 1.5)

@@ -79,7 +79,7 @@ TAGS = (CF_LINK, DUPLEX)
 
 @dataclass(frozen=True)
 class FaultKind:
-    """One fault kind. ``number`` is its place in ``KINDS`` (and so in 'all''s seed-rotated order): a kind keeps
+    """One fault kind. ``number`` is its place in ``KINDS`` (and so in the order the seeds go through): a kind keeps
     its number for good, as a seed's schedule depends on it; a new kind takes the next. ``short`` and
     ``cluster_short``: its place in the short run (``--faults short``) against one redis-server, and against a
     Redis Cluster CF (``--redis-cluster``), from 1; None: not in it. ``cost_s``: rough seconds from injection to
