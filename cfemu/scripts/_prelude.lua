@@ -289,6 +289,12 @@ local function carried_length(id)
   return redis.call('HSTRLEN', DATA, id) + (DESC_LEN[id] or redis.call('HSTRLEN', ENT, id))
 end
 
+-- A reply's pair for one entry: its descriptor and data, or two empty strings for none (peek_many, entry_data).
+local function push_pair(out, d)
+  out[#out + 1] = d and cmsgpack.pack(d) or ''
+  out[#out + 1] = d and (redis.call('HGET', DATA, d.id) or '') or ''
+end
+
 local function too_long_reply(id, length, max)
   return redis.error_reply(string.format('TOOLONG message %s is %d bytes (data and descriptor); the caller can take %d',
     id, length, max))

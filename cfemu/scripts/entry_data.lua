@@ -15,12 +15,6 @@ if #ARGV < 2 or #ARGV > 1001 then return redis.error_reply('BADARG give 1-1000 e
 local out = {}
 for i = 2, #ARGV do
   local d = load(ARGV[i])
-  if d and d.q == queue and d.st == 'CP' then
-    out[#out + 1] = cmsgpack.pack(d)
-    out[#out + 1] = redis.call('HGET', DATA, d.id) or ''
-  else
-    out[#out + 1] = ''
-    out[#out + 1] = ''
-  end
+  push_pair(out, d and d.q == queue and d.st == 'CP' and d or nil)
 end
 return out

@@ -22,12 +22,6 @@ for i = 3, #ARGV do
       first = d
     end
   end
-  if first then
-    out[#out + 1] = cmsgpack.pack(first)
-    out[#out + 1] = redis.call('HGET', DATA, first.id)
-  else
-    out[#out + 1] = ''
-    out[#out + 1] = ''
-  end
+  push_pair(out, first)
 end
 return out

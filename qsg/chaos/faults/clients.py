@@ -269,6 +269,26 @@ def _members_state(g: ChaosGroup) -> dict[str, tuple[int | None, int]]:
         client.close()
 
 
+def _others_served(g: ChaosGroup, watch: _LatencyWatch, before: dict[str, tuple[int | None, int]],
+                   out: dict[str, Any], bound: float, meanwhile: str, bound_said: str) -> list[str]:
+    """What went wrong for the other clients while one client's work ran (``meanwhile``): a member fenced or dead
+    (its process or epoch changed since ``before``), a probe slower than ``bound`` seconds, or a failed one. The
+    probes' figures go into ``out``."""
+    problems: list[str] = []
+    out["slowest_probe_s"] = watch.slowest
+    out["failed_probes"] = {n: v for n, v in watch.failed.items() if v}
+    after = _members_state(g)
+    for n, (pid, epoch) in before.items():
+        if after.get(n) != (pid, epoch):
+            problems.append(f"{n} was fenced or died while {meanwhile} (process, epoch {pid}, {epoch} -> "
+                            f"{after.get(n)})")
+    slow = {n: v for n, v in watch.slowest.items() if v > bound}
+    if slow or out["failed_probes"]:
+        problems.append(f"other clients waited longer than {bound_said} while {meanwhile}: slowest probes {slow}, "
+                        f"failed probes {out['failed_probes']}")
+    return problems
+
+
 def huge_uow(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     """One client's unit of work far past MAXUMSGS while the workload goes on. Through the target SQM, one unit of
     work puts MAXUMSGS persistent messages on EDGE (each put in the history), then HUGE_OVER more: each must be
@@ -311,17 +331,7 @@ def huge_uow(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
             g.probe(f.target, timeout=30.0)
         out["end_s"] = round(time.monotonic() - t1, 3)
         time.sleep(1.0)
-    out["slowest_probe_s"] = watch.slowest
-    out["failed_probes"] = {n: v for n, v in watch.failed.items() if v}
-    after = _members_state(g)
-    for n, (pid, epoch) in before.items():
-        if after.get(n) != (pid, epoch):
-            problems.append(f"{n} was fenced or died during the huge unit of work (process, epoch {pid}, {epoch} -> "
-                            f"{after.get(n)})")
-    slow = {n: v for n, v in watch.slowest.items() if v > bound}
-    if slow or out["failed_probes"]:
-        problems.append(f"other clients waited longer than the lease ({bound:g}s) while the huge unit of work ran: "
-                        f"slowest probes {slow}, failed probes {out['failed_probes']}")
+    problems += _others_served(g, watch, before, out, bound, "the huge unit of work ran", f"the lease ({bound:g}s)")
     if problems:
         raise FaultError("; ".join(problems))
     return out
@@ -400,17 +410,8 @@ def browse_storm(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
         taken = c.get(BULK_QUEUE, syncpoint=False, wait_ms=5000)
         if taken.body != live:
             problems.append(f"the get after the storm took {taken.body[:40]!r}, not the live message")
-    out["slowest_probe_s"] = watch.slowest
-    out["failed_probes"] = {n: v for n, v in watch.failed.items() if v}
-    after = _members_state(g)
-    for n, (pid, epoch) in before.items():
-        if after.get(n) != (pid, epoch):
-            problems.append(f"{n} was fenced or died during the browse storm (process, epoch {pid}, {epoch} -> "
-                            f"{after.get(n)})")
-    slow = {n: v for n, v in watch.slowest.items() if v > STORM_PROBE_S}
-    if slow or out["failed_probes"]:
-        problems.append(f"other clients waited longer than {STORM_PROBE_S:g}s while the browsers paged past "
-                        f"{STORM_EXPIRED} expired messages: slowest probes {slow}, failed probes {out['failed_probes']}")
+    problems += _others_served(g, watch, before, out, STORM_PROBE_S,
+                               f"the browsers paged past {STORM_EXPIRED} expired messages", f"{STORM_PROBE_S:g}s")
     if not out["browses"]:
         problems.append("no browse ended within the storm")
     if problems:
