@@ -42,9 +42,11 @@ from cfemu.embedded import ServerError
 from cfemu.errors import MQError, StructureFailedError, StructureMigratedError, StructureNotInCFError
 
 OPERATOR_QM = "OPS"  # the short-lived in-process queue manager of one-shot put/get
-# How long a command's client of --server endpoints tries for its first connection (Client's
-# first_connect_timeout): a server that is not there is one line within about a second, naming its address.
-FIRST_CONNECT_S = 1.0
+# How long a command's client of --server endpoints tries for its first connection, its TLS and its handshake
+# included (Client's first_connect_timeout): a server that is not there, or does not answer, is one line within a
+# few seconds, naming its address, where the client's retries took 15 s; room enough for a member several hundred
+# ms of round trip away (a connection, TLS and the handshake's exchanges: four or five round trips).
+FIRST_CONNECT_S = 3.0
 
 # Beyond clitools.COMMON_ERRORS: the embedded CF's and the local group's errors (LocalGroupError is a RuntimeError).
 EXPECTED_ERRORS = (ServerError, RuntimeError)

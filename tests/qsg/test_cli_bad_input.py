@@ -226,7 +226,7 @@ def test_a_clients_first_connection_gives_up_within_its_first_connect_timeout(
 
 
 @pytest.mark.timed
-def test_a_command_given_a_server_that_is_not_there_fails_within_about_a_second(
+def test_a_command_given_a_server_that_is_not_there_fails_within_a_few_seconds(
         nobody: tuple[str, socket.socket], tmp_path: Path) -> None:
     refused, _ = nobody
     env = {**os.environ, "SQM_TOKEN": "a-token-for-this-test"}
@@ -236,4 +236,4 @@ def test_a_command_given_a_server_that_is_not_there_fails_within_about_a_second(
     took = time.monotonic() - t0
     assert done.returncode == 75 and done.stderr.count("\n") == 1, done.stderr  # 2059: retry later
     assert f"no queue manager answered: {refused}: " in done.stderr, done.stderr
-    assert took < 8.0, took  # the interpreter's start and imports, then about 1 s: not the client's 15 s of retries
+    assert took < 10.0, took  # the interpreter's start and imports, then 3 s at most: not the client's 15 s of retries
