@@ -72,7 +72,7 @@ def run_backup_scheduler(interval: float, settings: Settings, structures: Sequen
                 p.terminate()
 
     log.info("backup scheduler: every %gs, structures: %s", interval, ", ".join(structures) or "all ACTIVE")
-    with handling((signal.SIGTERM, signal.SIGINT), on_term):  # put back as found when it returns
+    with handling((signal.SIGTERM, signal.SIGINT), on_term, in_thread=True):  # put back as found when it returns
         while not stop.wait(interval):
             for s in structures or _active_structures(settings.redis_url, metrics):
                 if stop.is_set():

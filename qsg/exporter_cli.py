@@ -32,7 +32,7 @@ def cmd_exporter(args: argparse.Namespace, out: Output) -> int:
         return connect(url, socket_timeout=INFO_TIMEOUT_S, socket_connect_timeout=INFO_TIMEOUT_S)
 
     stop = threading.Event()
-    with handling((signal.SIGTERM, signal.SIGINT), lambda *_: stop.set()):
+    with handling((signal.SIGTERM, signal.SIGINT), lambda *_: stop.set(), in_thread=True):
         port = exposition.serve([CFInfoCollector(cf)], args.host, args.port)
         where = {"metrics": f"http://{args.host}:{port}/metrics", "cf": credentials.redact(url)}
         if args.json:

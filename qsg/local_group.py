@@ -950,7 +950,7 @@ def supervise_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
-    with handling((signal.SIGTERM, signal.SIGINT), lambda *_: stop.set()):
+    with handling((signal.SIGTERM, signal.SIGINT), lambda *_: stop.set(), in_thread=True):
         group = LocalGroup.load(args.dir)
         sup = Supervisor(group, reload=True)
         if args.metrics_port is not None:

@@ -203,7 +203,7 @@ def cmd_put(args: argparse.Namespace, out: Output) -> int:
     # applied, a lock just taken), it left the in-process member unable to back the unit of work out or stop.
     interrupted = threading.Event()
     with (messaging(args) as h, _bars(out) as bars,
-          handling((signal.SIGINT,), lambda *_: interrupted.set())):
+          handling((signal.SIGINT,), lambda *_: interrupted.set(), in_thread=True)):
         for first in range(0, len(bodies), args.per_commit):
             bars("put", len(put), len(bodies))
             try:
@@ -255,7 +255,7 @@ def cmd_get(args: argparse.Namespace, out: Output) -> int:
     # (_waiting_get) so that it still ends within a slice of the interrupt.
     interrupted = threading.Event()
     with (messaging(args) as h, _bars(out) as bars,
-          handling((signal.SIGINT,), lambda *_: interrupted.set())):
+          handling((signal.SIGINT,), lambda *_: interrupted.set(), in_thread=True)):
         try:
             while args.all or len(got) < args.count:
                 try:

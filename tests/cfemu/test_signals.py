@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from types import FrameType
@@ -64,3 +67,24 @@ def test_outside_the_main_thread_nothing_is_installed_and_the_block_runs() -> No
 
 class _Handled(Exception):
     pass
+
+
+def test_a_handler_in_a_thread_sets_an_event_whose_lock_the_main_thread_holds() -> None:
+    """A backup scheduler's Ctrl-C hung its run: the signal came while the main thread held its stop event's lock
+    (entering or leaving the wait), and the handler, run in the main thread, waited for that lock for ever. Run in a
+    thread of its own, it sets the event once the main thread lets go. A child process: the hang it guards against
+    would be this process's."""
+    code = textwrap.dedent("""
+        import signal, threading
+        from cfemu.signals import handling
+        stop = threading.Event()
+        with handling((signal.SIGINT,), lambda *_: stop.set(), in_thread=%s):
+            handler = signal.getsignal(signal.SIGINT)
+            with stop._cond:  # held, as inside Event.wait, when the signal comes: Python runs the handler here
+                handler(signal.SIGINT, None)
+            print(stop.wait(5))
+    """)
+    done = subprocess.run([sys.executable, "-c", code % "True"], capture_output=True, text=True, timeout=30)
+    assert done.stdout.strip() == "True", done.stderr
+    with pytest.raises(subprocess.TimeoutExpired):  # in the main thread, the same signal hangs it
+        subprocess.run([sys.executable, "-c", code % "False"], capture_output=True, text=True, timeout=3)
