@@ -680,6 +680,15 @@ class RestEndpoint:
             raise bad_query("wait", wait, f"wait is a number of milliseconds, 0-{self.server.max_wait_ms}.")
         args.update(queue=queue_of(request), syncpoint=True)
         async with self._handle(session):
+            if args.get("correlid"):
+                # The message a browse by this correlationId shows first (any of the id's stored forms), taken by
+                # its own form: a GET and then a DELETE of the same id show and take the same message. None now:
+                # the get (and its wait) is for the id as given.
+                forms = correlid_forms(args["correlid"])
+                first = await self._run(session, "browse", lambda: queue_ops.browse_matching(
+                    self.server, session, args["queue"], "c", forms, 1, bodies=False)) if len(forms) > 1 else []
+                if first:
+                    args["correlid"] = first[0].correlid
             try:
                 got = await self._get(session, args, wait_ms)
             except (NoMessageError, ClientGoneError):  # none, or its caller left: nothing taken

@@ -15,7 +15,7 @@ import pytest
 from cfemu.cf import Structure
 from cfemu.errors import NoMessageError
 from cfemu.limits import CF_STEP, MAX_ID_LENGTH
-from tests.sqm.test_rest import basic, http
+from tests.sqm.test_rest import CSRF, basic, http
 from tests.support.inprocess_server import RunningServer
 from tests.support.rest_member import TOKEN, rest_member_of_its_own, rest_url
 
@@ -120,5 +120,26 @@ def test_a_lookup_carries_from_the_cf_the_data_of_the_messages_it_shows_and_no_o
                 conn.get("Q1", correlid=b"large", syncpoint=False)
             except NoMessageError:
                 break
+    finally:
+        conn.close()
+
+
+def test_a_delete_by_correlation_id_takes_the_message_a_browse_by_it_shows(member: RunningServer) -> None:
+    """A browse by correlationId matches the id as given and as MQ's 24-byte field holds it (padded with NULs); a
+    DELETE matched the bytes as given only, so it took another message than the browse showed, or none."""
+    conn = member.server.qm.connect()
+    try:
+        padded = conn.put("Q1", b"put padded", correlid=b"both".ljust(MAX_ID_LENGTH, b"\0"), persistent=False,
+                          syncpoint=False)
+        conn.put("Q1", b"put bare", correlid=b"both", persistent=False, syncpoint=False)
+        shown = get(member, "?correlationId=both")
+        assert (shown.status, shown.body) == (200, b"put padded")
+        taken = http("DELETE", rest_url(member) + "?correlationId=both", headers={**basic(TOKEN), **CSRF}, auth=False)
+        assert (taken.status, taken.body, taken.headers["ibm-mq-md-messageid"]) == (
+            200, b"put padded", "ID:" + padded.msgid.hex())
+        again = http("DELETE", rest_url(member) + "?correlationId=both", headers={**basic(TOKEN), **CSRF}, auth=False)
+        assert (again.status, again.body) == (200, b"put bare")
+        assert http("DELETE", rest_url(member) + "?correlationId=both", headers={**basic(TOKEN), **CSRF},
+                    auth=False).status == 204
     finally:
         conn.close()
