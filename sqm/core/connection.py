@@ -712,8 +712,7 @@ class Connection(UnitOfWorkScope):
             batch.append(e.id)
             batch_bytes += e.length
             if k + 1 == len(chosen) or len(batch) == 1000 or batch_bytes + chosen[k + 1].length > CF_STEP_BYTES:
-                ids = list(batch)
-                read = qm.cf_call(partial(s.entry_data, queue, ids))
+                read = qm.cf_call(partial(s.entry_data, queue, batch))
                 out += [Message.from_entry(got[0], got[1]) for got in read if got is not None]
                 batch, batch_bytes = [], 0
         return out
