@@ -977,12 +977,6 @@ def wipe(owner: Owner, *, keep: tuple[str, ...] = (), batch: int = BATCH) -> int
     return len(doomed)
 
 
-def mark_recovering(client: redis.Redis, structure: str) -> None:
-    """Set the header's state to RECOVERING, whether or not the structure is defined (after the loss of the CF
-    the admin structure may not know it yet): from now on every script refuses work on it."""
-    client.hset(keys.meta(structure), "state", "RECOVERING")
-
-
 def reset(owner: Owner, sdef: StructureDef, *, batch: int = BATCH) -> int:
     """Empty the owner's RECOVERING structure: delete every key but its header, then give it back its header
     fields and its fence (every member's current epoch). Returns the number of keys deleted."""

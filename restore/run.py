@@ -578,13 +578,15 @@ def definitions(admin_def: StructureDef | None, admin_queues: list[QueueDef], re
 
 def _redefine(admin: Admin, group: str, sdef: StructureDef, queues: list[QueueDef], *, lost: bool) -> None:
     """Define again what the CF lost: the group, the structure (lost: the admin structure went with the CF)
-    and the queues it lacks. The header says RECOVERING first, so that no queue manager uses the structure."""
+    and the queues it lacks. The caller owns the structure (its claim made it RECOVERING: no queue manager uses
+    it), and leaves its header to the owner's guarded reset: written here, unguarded, it would land in a structure
+    that another restore or a purge took over meanwhile and made ACTIVE, making it RECOVERING again under the
+    other's token (every member refused, and no restore running to end it)."""
     known = {q.name for q in admin.queues()}
     if lost:
         admin.set_group_name(group)
-        bulk.mark_recovering(admin.redis, sdef.name)
         admin.define_structure(sdef.name, max_entries=sdef.max_entries, max_bytes=sdef.max_bytes, replace=True,
-                               recauto=sdef.recauto)
+                               recauto=sdef.recauto, create=False)
     for q in queues:
         if lost or q.name not in known:
             admin.define_from(q, structure=sdef.name, replace=True)
