@@ -753,6 +753,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     _logs_reach_back(log_dirs, structure, manifest)
     refuse_lost_logs(repo, structure, manifest)
     decisions_seen = _decisions_logged(log_root)  # before the plan reads them: compared under the log's lock
+    points_seen = finished_points(backup_root, structure, backup_keys)  # likewise
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
@@ -775,6 +776,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         if not dry_run:
             _refuse_if_changed(client, structure, seen)  # the common case, before restore's log is even opened
             with (_restore_log(log_root, structure, decisions_seen) as rlog,
+                  _no_point_since(backup_root, structure, points_seen, backup_keys),
                   _owning(client, structure, seen) as owner):
                 owned = Admin(owner.admin)  # the owner's own connection (a cluster's: its {ADMIN} slot, bulk.Owner)
                 if state == "ACTIVE":
@@ -891,6 +893,28 @@ def _owning(client: redis.Redis, structure: str, seen: bulk.Seen) -> Iterator[bu
                                   f"restore", cf_lost=False) from e
     finally:
         owner.close()
+
+
+def finished_points(backup_root: Path, structure: str, backup_keys: BackupKeys) -> set[str]:
+    """The ids of the structure's restore and purge points that have their manifest (good or not): each one a
+    restore or a purge that came to the end of its load."""
+    return {b.id for b in list_backups(backup_root, structure, backup_keys=backup_keys)
+            if (kind_of(b.manifest) if b.manifest else readable_kind(b.path)) in (RESTORE, PURGE)}
+
+
+@contextmanager
+def _no_point_since(backup_root: Path, structure: str, seen: set[str], backup_keys: BackupKeys) -> Iterator[None]:
+    """Entered before the claim, under restore's own log's lock: refuse, writing nothing, when a restore or a purge
+    finished its load since this restore started (`seen`: the finished points then). The claim cannot always tell:
+    a CF lost again by a flush (the same server, its run id unchanged) holds nothing of the other's token,
+    generation or state. This restore's plan starts before that point: loaded, it would bring back the structure
+    as it was before the other (without the work committed on it since) in a generation below the other's."""
+    new = sorted(finished_points(backup_root, structure, backup_keys) - seen)
+    if new:
+        raise RestoreError(f"restore of {structure} refused: another restore or a purge wrote its restore point "
+                           f"{new[-1]} since this one started, and this one's plan does not start there; nothing "
+                           f"was written: run the restore of {structure} again")
+    yield
 
 
 def _decisions_logged(log_root: Path) -> int:
