@@ -903,9 +903,9 @@ def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
     """Take the structure over for a restore or a purge, when nothing has happened to it since `seen` (observe,
     at the restore's start): the same CF, the same restore token and generation, and not ACTIVE again. One
     transaction gives the header a new restore token (above the last one and the wall clock in ms, so tokens
-    keep growing across CF losses) and state RECOVERING, under which every member script refuses work; a missing
-    header is created so. Returns the Owner, on a connection of its own; raises NotOwnerError (CFReplacedError)
-    having written nothing."""
+    keep growing across CF losses) and state RECOVERING, under which every member script refuses work, and takes
+    a running backup's mark away; a missing header is created so. Returns the Owner, on a connection of its own;
+    raises NotOwnerError (CFReplacedError) having written nothing."""
     pinned = _pinned(rcluster.node_client(client, structure, fresh=False))  # observe read the slot map
 
     def check(pipe: Pipeline) -> int:
@@ -917,6 +917,10 @@ def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
 
     def stage(pipe: Pipeline, token: int) -> None:
         pipe.hset(keys.meta(structure), mapping={TOKEN: token, "state": "RECOVERING"})
+        # A backup running now would copy what the owner's wipe and load leave, not the structure it began on: its
+        # mark goes, so that it cannot end ok (backup_end.lua) and become the base of the next restore (the owner's
+        # run again once stopped), which would lack what the copy missed.
+        pipe.hdel(keys.meta(structure), "backup", "backup_until")
 
     try:
         token, _ = _transact(pinned, (keys.meta(structure),), check, stage)
