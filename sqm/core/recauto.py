@@ -6,7 +6,8 @@ CF, the admin structure does not) and the CF says
 
   FAILED       failed, or missing from a CF that came back empty (cfemu.admin.Admin.state counts that FAILED), or
   RECOVERING   with an automatic recovery's mark ({ADMIN}:recauto-attempts) and no live lock: the member that
-               ran it died mid-way. A RECOVERING structure without the mark is an operator's restore: left alone.
+               ran it died mid-way, or its restore failed after claiming the structure (tried again). A
+               RECOVERING structure without the mark is an operator's restore: left alone.
 
 A structure the group repository records as migrated (a store migration's source, backup.migrate) is never
 recovered, whatever the CF says: its messages are served by the migration's target, and the CF loss that made it
@@ -203,7 +204,10 @@ class StructureRecovery:
         finally:
             done.set()
             with contextlib.suppress(*CF_DOWN):
-                if admin.recovery_attempt(name) == holder:
+                # A failed attempt that left the structure RECOVERING (its restore had claimed it: the restore point
+                # could not be written, the load did not verify) keeps its mark: without it the structure reads as
+                # an operator's restore, which no member recovers, where CSQE135E said that it is tried again.
+                if admin.recovery_attempt(name) == holder and (ok or admin.state(name) != "RECOVERING"):
                     admin.set_recovery_attempt(name, None)
                 admin.release_structure_recovery_lock(name, holder)
             if not ok:
