@@ -1346,9 +1346,11 @@ def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
           before_activate: Callable[[int, dict[str, str]], str] | None = None,
           committed: Callable[[int], Iterable[str]] | None = None,
           flags: Mapping[str, str] | None = None, seen: Seen | None = None,
-          claimed: Callable[[Owner], None] | None = None) -> Purged:
+          claimed: Callable[[Owner], None] | None = None, above: int = 0) -> Purged:
     """Empty the structure and make it ACTIVE again in a new generation, above its clock and its old generation
-    (so a unit of work from before that had no work here is backed out when it next touches it); its queues stay
+    (so a unit of work from before that had no work here is backed out when it next touches it), and above `above`
+    (the highest LRSN and generation its history outside the CF records: the caller reads its backups, which a CF
+    lost took no record of); its queues stay
     defined, and the UOWs that held entries get a 'P' tombstone (purged_tombstones). The purge claims the
     structure first, so a restore loading it meanwhile stops at its next batch. before_activate(gen, tombstones),
     once nothing can change the structure any more and before it is usable again, makes the purge durable
@@ -1366,7 +1368,7 @@ def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
             claimed(owner)
         info = {keys.text(k): keys.text(v) for k, v in owner.client.hgetall(keys.meta(S)).items()}
         discarded = int(owner.client.hlen(keys.entries(S)))
-        gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)
+        gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1, above + 1)
         tomb = purged_tombstones(owner.client, S)
         if committed is not None:
             tomb = {**dict.fromkeys(committed(int(info.get("gen", 0))), "P"), **tomb}

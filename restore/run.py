@@ -90,7 +90,7 @@ from cfemu.settings import restore_memory, restore_workers
 from restore.engine import PHASES, default_engine, get_engine
 from restore.load import LoadResult, batch_bytes_for, load_plan, loaded_tombstones, restore_owned_uows
 from restore.partitioned import DEFAULT_MEMORY
-from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
+from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan, base_lrsn
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm.core import records
 from sqm.core.group_logs import split_log_dirs
@@ -592,19 +592,35 @@ def _redefine(admin: Admin, group: str, sdef: StructureDef, queues: list[QueueDe
             admin.define_from(q, structure=sdef.name, replace=True)
 
 
+def history_lrsn(backup_root: Path, structure: str, backup_keys: BackupKeys) -> int:
+    """The highest LRSN and generation the structure's backups and restore points record (good or not, as far as
+    they can be read). A purge's new generation, and its point's LRSN, go above it, as a restore's go above its
+    base's (restore.plan.restore_lrsn_above): from the purging host's clock alone (the CF, lost, keeps no clock or
+    generation to go above), behind the members' clocks, the point sorted before the last backup, which the next
+    restore then started from, crossing the purge (the purged messages back)."""
+    highest = 0
+    for b in list_backups(backup_root, structure, backup_keys=backup_keys):
+        highest = max(highest, order_lrsn(b))
+        if b.manifest:
+            highest = max(highest, base_lrsn(b.manifest), int(b.manifest.get("gen", 0) or 0))
+    return highest
+
+
 def purge_claimed(client: redis.Redis, sdef: StructureDef, queues: list[QueueDef], *, group: str, lost: bool,
-                  log_root: Path, seen: bulk.Seen | None, **options: Any) -> bulk.Purged:
+                  log_root: Path, backup_root: Path, backup_keys: BackupKeys, seen: bulk.Seen | None,
+                  **options: Any) -> bulk.Purged:
     """bulk.purge of the structure (a COLD start, a WARM one, `cfrestore purge`) as the caller saw it (``seen``):
-    the UOWs committed before the new base tombstoned from every member's log, and the structure defined again as
-    the purge's first step once it owns it (bulk.purge's claimed), so that a purge refused because a restore took
-    the structure over meanwhile changed nothing. Refused in one line (RestoreError) when it lost the claim.
-    ``options``: bulk.purge's (before_activate, flags)."""
+    the UOWs committed before the new base tombstoned from every member's log, the structure defined again as the
+    purge's first step once it owns it (bulk.purge's claimed), so that a purge refused because a restore took the
+    structure over meanwhile changed nothing, and its generation above the structure's history (history_lrsn).
+    Refused in one line (RestoreError) when it lost the claim. ``options``: bulk.purge's (before_activate, flags)."""
     structure = sdef.name
     try:
         return bulk.purge(client, sdef, [q.name for q in queues],
                           committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen),
                           seen=seen, claimed=lambda owner: _redefine(Admin(owner.admin), group, sdef, queues,
-                                                                     lost=lost), **options)
+                                                                     lost=lost),
+                          above=history_lrsn(backup_root, structure, backup_keys), **options)
     except bulk.NotOwnerError as e:
         raise _refused(structure, e) from e
 
@@ -1009,7 +1025,7 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
                             entries=(), tombstones=tombstones, backup_keys=backup_keys)
         return point
 
-    purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root), seen=seen,
-                           before_activate=write_point)
+    purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root),
+                           backup_root=backup_root, backup_keys=backup_keys, seen=seen, before_activate=write_point)
     rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
     return PurgeResult(structure, state, purged.discarded, purged.discarded_bytes, purged.gen, restore_point=point)
