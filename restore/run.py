@@ -773,7 +773,11 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
-    as_planned = _AsPlanned(backup, earlier_generations(backup_root, structure, seen, backup_keys))
+    # Above the structure's earlier generations and every LRSN its backups record (history_lrsn): the restore's
+    # LRSN (its generation, its point's LRSN) above a backup newer than a base named with --backup, or its point
+    # sorts before that backup, from which the next restore would start, crossing this one.
+    as_planned = _AsPlanned(backup, max(earlier_generations(backup_root, structure, seen, backup_keys),
+                                        history_lrsn(backup_root, structure, backup_keys)))
 
     plans: list[RestorePlan] = []  # closed at the end, whatever happens (a partitioned plan's spill files)
 
