@@ -718,6 +718,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
             refuse_others_writing(directory)
     admin = Admin(client)
     seen = bulk.observe(client, structure)  # what the claim compares against, after the plan
+    points_seen = finished_points(backup_root, structure, backup_keys)  # before the base is chosen: likewise
     state = seen.state or "FAILED"  # a structure missing from the CF counts as FAILED (Admin.state)
     refuse_migrated(structure, state, log_root, "restoring")
     sdef = _admin_definition(admin, structure)
@@ -769,7 +770,6 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     _logs_reach_back(log_dirs, structure, manifest)
     refuse_lost_logs(repo, structure, manifest)
     decisions_seen = _decisions_logged(log_root)  # before the plan reads them: compared under the log's lock
-    points_seen = finished_points(backup_root, structure, backup_keys)  # likewise
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
