@@ -53,9 +53,11 @@ def summary(result: Any) -> str:
 
 
 def claimed_failures(restore: Callable[[Progress], T], progress: Progress) -> T:
-    """restore(progress), a restore.run.run_restore: a failure once its load began (its claim made, the structure
-    RECOVERING under it), other than a stop (another restore or a purge took the structure over, or the CF was
-    lost), raised as StructureLeftRecovering, for RECAUTO to try it again (sqm.core.recauto)."""
+    """restore(progress), a restore.run.run_restore: a failure that leaves the structure RECOVERING under its claim
+    raised as StructureLeftRecovering, for RECAUTO to try it again (sqm.core.recauto): one once its load began, or a
+    stop because the CF was lost (one restarted from its own data holds the structure so; one restarted empty has
+    it FAILED, recovered anyway). A stop because another restore or a purge took the structure over, or an operator
+    changed its state, leaves it theirs: the restore's error as it is."""
     loading = False
 
     def seen(phase: str, done: int, total: int | None) -> None:
@@ -65,7 +67,9 @@ def claimed_failures(restore: Callable[[Progress], T], progress: Progress) -> T:
 
     try:
         return restore(seen)
-    except RestoreStoppedError:
+    except RestoreStoppedError as e:
+        if e.cf_lost:
+            raise StructureLeftRecovering(f"{type(e).__name__}: {e}") from e
         raise
     except Exception as e:
         if loading:

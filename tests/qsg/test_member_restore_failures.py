@@ -4,6 +4,7 @@ claim, or stopped by another restore or purge, the restore's own error."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ import backup.points
 from backup.files import BackupError
 from backup.run import run_backup
 from cfemu.admin import Admin
+from cfemu.progress import Progress
 from qsg.member import claimed_failures
-from restore.run import run_restore
+from restore.run import RestoreStoppedError, run_restore
 from sqm.core.config import StructureLeftRecovering
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
@@ -49,3 +51,15 @@ def test_a_restore_that_fails_in_its_load_is_left_recovering_and_said_so(
         claimed_failures(lambda progress: run_restore(client, S, backup_root=backups, log_root=logs,
                                                       backup_id=f"{S}-20990101T000000Z-000000", progress=progress),
                          lambda *a: None)
+
+
+def test_a_restore_stopped_by_a_lost_cf_is_tried_again_one_taken_over_is_not() -> None:
+    def stopped(cf_lost: bool) -> Callable[[Progress], None]:
+        def run(progress: Progress) -> None:
+            raise RestoreStoppedError("restore of APP1 stopped: ...", cf_lost=cf_lost)
+        return run
+
+    with pytest.raises(StructureLeftRecovering, match="^RestoreStoppedError: restore of APP1 stopped"):
+        claimed_failures(stopped(True), lambda *a: None)  # a CF back from its own data: RECOVERING, ours
+    with pytest.raises(RestoreStoppedError):
+        claimed_failures(stopped(False), lambda *a: None)  # another restore's or a purge's now
