@@ -1350,11 +1350,11 @@ def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
     """Empty the structure and make it ACTIVE again in a new generation, above its clock and its old generation
     (so a unit of work from before that had no work here is backed out when it next touches it), and above `above`
     (the highest LRSN and generation its history outside the CF records: the caller reads its backups, which a CF
-    lost took no record of); its queues stay
-    defined, and the UOWs that held entries get a 'P' tombstone (purged_tombstones). The purge claims the
-    structure first, so a restore loading it meanwhile stops at its next batch. before_activate(gen, tombstones),
-    once nothing can change the structure any more and before it is usable again, makes the purge durable
-    (restore.run writes an empty restore point with those tombstones) and returns the id it wrote.
+    lost took no record of); its queues stay defined, and the UOWs that held entries get a 'P' tombstone
+    (purged_tombstones). The purge claims the structure first, so a restore loading it meanwhile stops at its next
+    batch. before_activate(gen, tombstones), once nothing can change the structure any more and before it is
+    usable again, makes the purge durable (restore.run writes an empty restore point with those tombstones) and
+    returns the id it wrote.
     committed(gen): the UOWs whose commit took effect here in generation `gen` (the one purged) and whose owner may
     still retry it (restore.run.committed_before_base): they get a 'P' tombstone too, so that the retry is a no-op
     here instead of a "lost with the CF" that would make the owner back out a committed UOW. flags: header fields
