@@ -184,10 +184,11 @@ class _Lease:
 
 
 def ended_before_it_finished(backup_id: str, why: str) -> BackupCancelledError:
-    """The one error of a backup whose mark was taken from it (cancelled, or its lease ended), whether a renewal
-    or its end found out: the operator reads the same cause either way."""
+    """The one error of a backup whose mark was taken from it (cancelled, its lease ended, or a restore or a purge
+    claimed the structure), whether a renewal or its end found out: the operator reads the same cause either way."""
     return BackupCancelledError(f"backup {backup_id} ended before it finished: {why} (cancelled with cfbackup "
-                                "cancel, or its lease ended); nothing was kept")
+                                "cancel, its lease ended, or a restore or a purge took the structure over); nothing "
+                                "was kept")
 
 
 DEFAULT_WAIT_S = 120.0  # how long an operator's backup waits for one running (cfbackup run --wait)

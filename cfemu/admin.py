@@ -170,9 +170,12 @@ class Admin:
 
     # --- structures -----------------------------------------------------------------------------------
     def define_structure(self, name: str, *, max_entries: int = 0, max_bytes: int = 0,
-                         replace: bool = False, clock: int = 0, recauto: bool = True) -> StructureDef:
+                         replace: bool = False, clock: int = 0, recauto: bool = True,
+                         create: bool = True) -> StructureDef:
         """Define a structure and create it in the CF. clock: where a new structure's LRSN clock starts (the
-        group repository's definition LRSN: every record of the structure's work then lies above it)."""
+        group repository's definition LRSN: every record of the structure's work then lies above it). create
+        False: the definition alone, the structure's own keys left as they are (a restore or a purge that owns
+        the structure writes its header and fence by its guarded reset, cfemu.bulk.reset)."""
         keys.check_name("structure", name)
         if name == "ADMIN":
             raise AdminError("ADMIN is the admin structure's name; choose another")
@@ -183,7 +186,8 @@ class Admin:
             if not replace:
                 raise AdminError(f"structure {name} is already defined")
             self.redis.hset(STRUCTURES, name, _pack(sdef))
-        self.create_structure(sdef, clock=clock)
+        if create:
+            self.create_structure(sdef, clock=clock)
         return sdef
 
     def create_structure(self, sdef: StructureDef, *, state: str = "ACTIVE", gen: int = 1, clock: int = 0) -> None:

@@ -903,9 +903,9 @@ def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
     """Take the structure over for a restore or a purge, when nothing has happened to it since `seen` (observe,
     at the restore's start): the same CF, the same restore token and generation, and not ACTIVE again. One
     transaction gives the header a new restore token (above the last one and the wall clock in ms, so tokens
-    keep growing across CF losses) and state RECOVERING, under which every member script refuses work; a missing
-    header is created so. Returns the Owner, on a connection of its own; raises NotOwnerError (CFReplacedError)
-    having written nothing."""
+    keep growing across CF losses) and state RECOVERING, under which every member script refuses work, and takes
+    a running backup's mark away; a missing header is created so. Returns the Owner, on a connection of its own;
+    raises NotOwnerError (CFReplacedError) having written nothing."""
     pinned = _pinned(rcluster.node_client(client, structure, fresh=False))  # observe read the slot map
 
     def check(pipe: Pipeline) -> int:
@@ -917,6 +917,10 @@ def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
 
     def stage(pipe: Pipeline, token: int) -> None:
         pipe.hset(keys.meta(structure), mapping={TOKEN: token, "state": "RECOVERING"})
+        # A backup running now would copy what the owner's wipe and load leave, not the structure it began on: its
+        # mark goes, so that it cannot end ok (backup_end.lua) and become the base of the next restore (the owner's
+        # run again once stopped), which would lack what the copy missed.
+        pipe.hdel(keys.meta(structure), "backup", "backup_until")
 
     try:
         token, _ = _transact(pinned, (keys.meta(structure),), check, stage)
@@ -975,12 +979,6 @@ def wipe(owner: Owner, *, keep: tuple[str, ...] = (), batch: int = BATCH) -> int
 
         owner.transaction(stage)
     return len(doomed)
-
-
-def mark_recovering(client: redis.Redis, structure: str) -> None:
-    """Set the header's state to RECOVERING, whether or not the structure is defined (after the loss of the CF
-    the admin structure may not know it yet): from now on every script refuses work on it."""
-    client.hset(keys.meta(structure), "state", "RECOVERING")
 
 
 def reset(owner: Owner, sdef: StructureDef, *, batch: int = BATCH) -> int:
@@ -1348,13 +1346,15 @@ def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
           before_activate: Callable[[int, dict[str, str]], str] | None = None,
           committed: Callable[[int], Iterable[str]] | None = None,
           flags: Mapping[str, str] | None = None, seen: Seen | None = None,
-          claimed: Callable[[Owner], None] | None = None) -> Purged:
+          claimed: Callable[[Owner], None] | None = None, above: int = 0) -> Purged:
     """Empty the structure and make it ACTIVE again in a new generation, above its clock and its old generation
-    (so a unit of work from before that had no work here is backed out when it next touches it); its queues stay
-    defined, and the UOWs that held entries get a 'P' tombstone (purged_tombstones). The purge claims the
-    structure first, so a restore loading it meanwhile stops at its next batch. before_activate(gen, tombstones),
-    once nothing can change the structure any more and before it is usable again, makes the purge durable
-    (restore.run writes an empty restore point with those tombstones) and returns the id it wrote.
+    (so a unit of work from before that had no work here is backed out when it next touches it), and above `above`
+    (the highest LRSN and generation its history outside the CF records: the caller reads its backups, which a CF
+    lost took no record of); its queues stay defined, and the UOWs that held entries get a 'P' tombstone
+    (purged_tombstones). The purge claims the structure first, so a restore loading it meanwhile stops at its next
+    batch. before_activate(gen, tombstones), once nothing can change the structure any more and before it is
+    usable again, makes the purge durable (restore.run writes an empty restore point with those tombstones) and
+    returns the id it wrote.
     committed(gen): the UOWs whose commit took effect here in generation `gen` (the one purged) and whose owner may
     still retry it (restore.run.committed_before_base): they get a 'P' tombstone too, so that the retry is a no-op
     here instead of a "lost with the CF" that would make the owner back out a committed UOW. flags: header fields
@@ -1368,7 +1368,7 @@ def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
             claimed(owner)
         info = {keys.text(k): keys.text(v) for k, v in owner.client.hgetall(keys.meta(S)).items()}
         discarded = int(owner.client.hlen(keys.entries(S)))
-        gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)
+        gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1, above + 1)
         tomb = purged_tombstones(owner.client, S)
         if committed is not None:
             tomb = {**dict.fromkeys(committed(int(info.get("gen", 0))), "P"), **tomb}

@@ -17,8 +17,8 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from cfemu import settings as settings_mod
 from cfemu.clitools import SETTINGS_HELP
@@ -28,12 +28,14 @@ from cfemu.pstore import HOT, start_mode
 from cfemu.repository import GroupRepository
 from cfemu.settings import Settings
 from qsg.group_supervisor import EXIT_FILE_ENV, record_exit
-from restore.run import run_restore
+from restore.engine import LOAD
+from restore.run import RestoreStoppedError, run_restore
 from restore.start_modes import automatic_start
 from sqm import cli as sqm_cli
-from sqm.core.recauto import RecoverStructure
+from sqm.core.recauto import RecoverStructure, StructureLeftRecovering
 
 log = logging.getLogger("qsg.member")
+T = TypeVar("T")
 
 
 def restore_url(args: argparse.Namespace) -> str | None:
@@ -48,6 +50,31 @@ def summary(result: Any) -> str:
     counts = ", ".join(f"{k} {v}" for k, v in sorted(result.counts.items()) if v)
     return (f"{result.loaded_entries} entries loaded ({counts or 'nothing to settle'}), restore point "
             f"{result.restore_point}, report {result.report_path}")
+
+
+def claimed_failures(restore: Callable[[Progress], T], progress: Progress) -> T:
+    """restore(progress), a restore.run.run_restore: a failure that leaves the structure RECOVERING under its claim
+    raised as StructureLeftRecovering, for RECAUTO to try it again (sqm.core.recauto): one once its load began, or a
+    stop because the CF was lost (one restarted from its own data holds the structure so; one restarted empty has
+    it FAILED, recovered anyway). A stop because another restore or a purge took the structure over, or an operator
+    changed its state, leaves it theirs: the restore's error as it is."""
+    loading = False
+
+    def seen(phase: str, done: int, total: int | None) -> None:
+        nonlocal loading
+        loading = loading or phase == LOAD
+        progress(phase, done, total)
+
+    try:
+        return restore(seen)
+    except RestoreStoppedError as e:
+        if e.cf_lost:
+            raise StructureLeftRecovering(f"{type(e).__name__}: {e}") from e
+        raise
+    except Exception as e:
+        if loading:
+            raise StructureLeftRecovering(f"{type(e).__name__}: {e}") from e
+        raise
 
 
 def restore_hook(args: argparse.Namespace, found: Settings) -> RecoverStructure:
@@ -69,8 +96,9 @@ def restore_hook(args: argparse.Namespace, found: Settings) -> RecoverStructure:
                                           progress=progress, backup_keys=found.backup_keys())
                 return {"backup": "none", "base_kind": f"{started['mode']} start", "replay_from": "-",
                         "summary": started["summary"]}
-            result = run_restore(client, structure, backup_root=backup_root, log_root=log_root, progress=progress,
-                                 backup_keys=found.backup_keys())
+            result = claimed_failures(lambda seen: run_restore(
+                client, structure, backup_root=backup_root, log_root=log_root, progress=seen,
+                backup_keys=found.backup_keys()), progress)
         finally:
             client.close()
         return {"backup": result.backup_id, "base_kind": result.base_kind, "replay_from": result.replay_from,

@@ -90,7 +90,7 @@ from cfemu.settings import restore_memory, restore_workers
 from restore.engine import PHASES, default_engine, get_engine
 from restore.load import LoadResult, batch_bytes_for, load_plan, loaded_tombstones, restore_owned_uows
 from restore.partitioned import DEFAULT_MEMORY
-from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
+from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan, base_lrsn
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm.core import records
 from sqm.core.group_logs import split_log_dirs
@@ -578,31 +578,49 @@ def definitions(admin_def: StructureDef | None, admin_queues: list[QueueDef], re
 
 def _redefine(admin: Admin, group: str, sdef: StructureDef, queues: list[QueueDef], *, lost: bool) -> None:
     """Define again what the CF lost: the group, the structure (lost: the admin structure went with the CF)
-    and the queues it lacks. The header says RECOVERING first, so that no queue manager uses the structure."""
+    and the queues it lacks. The caller owns the structure (its claim made it RECOVERING: no queue manager uses
+    it), and leaves its header to the owner's guarded reset: written here, unguarded, it would land in a structure
+    that another restore or a purge took over meanwhile and made ACTIVE, making it RECOVERING again under the
+    other's token (every member refused, and no restore running to end it)."""
     known = {q.name for q in admin.queues()}
     if lost:
         admin.set_group_name(group)
-        bulk.mark_recovering(admin.redis, sdef.name)
         admin.define_structure(sdef.name, max_entries=sdef.max_entries, max_bytes=sdef.max_bytes, replace=True,
-                               recauto=sdef.recauto)
+                               recauto=sdef.recauto, create=False)
     for q in queues:
         if lost or q.name not in known:
             admin.define_from(q, structure=sdef.name, replace=True)
 
 
+def history_lrsn(backup_root: Path, structure: str, backup_keys: BackupKeys) -> int:
+    """The highest LRSN and generation the structure's backups and restore points record (good or not, as far as
+    they can be read). A purge's new generation, and its point's LRSN, go above it, as a restore's go above its
+    base's (restore.plan.restore_lrsn_above): from the purging host's clock alone (the CF, lost, keeps no clock or
+    generation to go above), behind the members' clocks, the point sorted before the last backup, which the next
+    restore then started from, crossing the purge (the purged messages back)."""
+    highest = 0
+    for b in list_backups(backup_root, structure, backup_keys=backup_keys):
+        highest = max(highest, order_lrsn(b))
+        if b.manifest:
+            highest = max(highest, base_lrsn(b.manifest), int(b.manifest.get("gen", 0) or 0))
+    return highest
+
+
 def purge_claimed(client: redis.Redis, sdef: StructureDef, queues: list[QueueDef], *, group: str, lost: bool,
-                  log_root: Path, seen: bulk.Seen | None, **options: Any) -> bulk.Purged:
+                  log_root: Path, backup_root: Path, backup_keys: BackupKeys, seen: bulk.Seen | None,
+                  **options: Any) -> bulk.Purged:
     """bulk.purge of the structure (a COLD start, a WARM one, `cfrestore purge`) as the caller saw it (``seen``):
-    the UOWs committed before the new base tombstoned from every member's log, and the structure defined again as
-    the purge's first step once it owns it (bulk.purge's claimed), so that a purge refused because a restore took
-    the structure over meanwhile changed nothing. Refused in one line (RestoreError) when it lost the claim.
-    ``options``: bulk.purge's (before_activate, flags)."""
+    the UOWs committed before the new base tombstoned from every member's log, the structure defined again as the
+    purge's first step once it owns it (bulk.purge's claimed), so that a purge refused because a restore took the
+    structure over meanwhile changed nothing, and its generation above the structure's history (history_lrsn).
+    Refused in one line (RestoreError) when it lost the claim. ``options``: bulk.purge's (before_activate, flags)."""
     structure = sdef.name
     try:
         return bulk.purge(client, sdef, [q.name for q in queues],
                           committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen),
                           seen=seen, claimed=lambda owner: _redefine(Admin(owner.admin), group, sdef, queues,
-                                                                     lost=lost), **options)
+                                                                     lost=lost),
+                          above=history_lrsn(backup_root, structure, backup_keys), **options)
     except bulk.NotOwnerError as e:
         raise _refused(structure, e) from e
 
@@ -700,6 +718,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
             refuse_others_writing(directory)
     admin = Admin(client)
     seen = bulk.observe(client, structure)  # what the claim compares against, after the plan
+    points_seen = finished_points(backup_root, structure, backup_keys)  # before the base is chosen: likewise
     state = seen.state or "FAILED"  # a structure missing from the CF counts as FAILED (Admin.state)
     refuse_migrated(structure, state, log_root, "restoring")
     sdef = _admin_definition(admin, structure)
@@ -754,7 +773,11 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
-    as_planned = _AsPlanned(backup, earlier_generations(backup_root, structure, seen, backup_keys))
+    # Above the structure's earlier generations and every LRSN its backups record (history_lrsn): the restore's
+    # LRSN (its generation, its point's LRSN) above a backup newer than a base named with --backup, or its point
+    # sorts before that backup, from which the next restore would start, crossing this one.
+    as_planned = _AsPlanned(backup, max(earlier_generations(backup_root, structure, seen, backup_keys),
+                                        history_lrsn(backup_root, structure, backup_keys)))
 
     plans: list[RestorePlan] = []  # closed at the end, whatever happens (a partitioned plan's spill files)
 
@@ -773,6 +796,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         if not dry_run:
             _refuse_if_changed(client, structure, seen)  # the common case, before restore's log is even opened
             with (_restore_log(log_root, structure, decisions_seen) as rlog,
+                  _no_point_since(backup_root, structure, points_seen, backup_keys),
                   _owning(client, structure, seen) as owner):
                 owned = Admin(owner.admin)  # the owner's own connection (a cluster's: its {ADMIN} slot, bulk.Owner)
                 if state == "ACTIVE":
@@ -891,6 +915,28 @@ def _owning(client: redis.Redis, structure: str, seen: bulk.Seen) -> Iterator[bu
         owner.close()
 
 
+def finished_points(backup_root: Path, structure: str, backup_keys: BackupKeys) -> set[str]:
+    """The ids of the structure's restore and purge points that have their manifest (good or not): each one a
+    restore or a purge that came to the end of its load."""
+    return {b.id for b in list_backups(backup_root, structure, backup_keys=backup_keys)
+            if (kind_of(b.manifest) if b.manifest else readable_kind(b.path)) in (RESTORE, PURGE)}
+
+
+@contextmanager
+def _no_point_since(backup_root: Path, structure: str, seen: set[str], backup_keys: BackupKeys) -> Iterator[None]:
+    """Entered before the claim, under restore's own log's lock: refuse, writing nothing, when a restore or a purge
+    finished its load since this restore started (`seen`: the finished points then). The claim cannot always tell:
+    a CF lost again by a flush (the same server, its run id unchanged) holds nothing of the other's token,
+    generation or state. This restore's plan starts before that point: loaded, it would bring back the structure
+    as it was before the other (without the work committed on it since) in a generation below the other's."""
+    new = sorted(finished_points(backup_root, structure, backup_keys) - seen)
+    if new:
+        raise RestoreError(f"restore of {structure} refused: another restore or a purge wrote its restore point "
+                           f"{new[-1]} since this one started, and this one's plan does not start there; nothing "
+                           f"was written: run the restore of {structure} again")
+    yield
+
+
 def _decisions_logged(log_root: Path) -> int:
     """How many records restore's own log holds (its RECOVERY decisions, of every restore so far)."""
     directory = log_root / RESTORE_MEMBER
@@ -983,7 +1029,7 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
                             entries=(), tombstones=tombstones, backup_keys=backup_keys)
         return point
 
-    purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root), seen=seen,
-                           before_activate=write_point)
+    purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root),
+                           backup_root=backup_root, backup_keys=backup_keys, seen=seen, before_activate=write_point)
     rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
     return PurgeResult(structure, state, purged.discarded, purged.discarded_bytes, purged.gen, restore_point=point)

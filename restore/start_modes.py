@@ -126,8 +126,8 @@ def warm_start(client: redis.Redis, structure: str, *, backup_root: Path, log_ro
     refuse_missing_member_logs(admin, structure, "a WARM start", Path(log_root))
     keys_ = resolve_keys(backup_keys)
     group = _group_of(admin, backup_root, structure, lost, keys_)
-    purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root), seen=seen,
-                           flags=WARM_FLAGS)
+    purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root),
+                           backup_root=Path(backup_root), backup_keys=keys_, seen=seen, flags=WARM_FLAGS)
     # Before anything else reads the new generation as a base: a restore never starts from it (cfemu.pstore).
     record_warm_generation(repo, structure, purged.gen)
     rebuild_catalog(admin, backup_root, structure, backup_keys=keys_)

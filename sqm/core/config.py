@@ -21,6 +21,13 @@ LOG_MODES = (LINEAR, CIRCULAR)
 RecoverStructure = Callable[[str, Progress], Mapping[str, Any]]
 
 
+class StructureLeftRecovering(Exception):
+    """What a RecoverStructure raises when its restore failed once it had claimed the structure (the restore point
+    not written, the load not verified) and the structure stays RECOVERING under that claim: the member keeps its
+    automatic recovery's mark, so that the recovery is tried again (sqm.core.recauto); without the mark the
+    structure reads as an operator's restore, which no member recovers."""
+
+
 @dataclass
 class QueueManagerConfig:
     name: str
@@ -67,4 +74,4 @@ class QueueManagerConfig:
     recover_structure: RecoverStructure | None = None
 
 
-__all__ = ["CIRCULAR", "LINEAR", "LOG_MODES", "QueueManagerConfig", "RecoverStructure"]
+__all__ = ["CIRCULAR", "LINEAR", "LOG_MODES", "QueueManagerConfig", "RecoverStructure", "StructureLeftRecovering"]

@@ -6,7 +6,8 @@ CF, the admin structure does not) and the CF says
 
   FAILED       failed, or missing from a CF that came back empty (cfemu.admin.Admin.state counts that FAILED), or
   RECOVERING   with an automatic recovery's mark ({ADMIN}:recauto-attempts) and no live lock: the member that
-               ran it died mid-way. A RECOVERING structure without the mark is an operator's restore: left alone.
+               ran it died mid-way, or its restore failed after claiming the structure (StructureLeftRecovering:
+               tried again). A RECOVERING structure without the mark is an operator's restore: left alone.
 
 A structure the group repository records as migrated (a store migration's source, backup.migrate) is never
 recovered, whatever the CF says: its messages are served by the migration's target, and the CF loss that made it
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING
 from cfemu.latency import SLOW_BUCKETS, Latencies, Latency, PhaseTimes
 from cfemu.repository import migrated_refusal
 from sqm.core.cfcall import CF_DOWN
-from sqm.core.config import RecoverStructure  # the port the top floor injects (QueueManagerConfig)
+from sqm.core.config import RecoverStructure, StructureLeftRecovering  # the port the top floor injects
 
 if TYPE_CHECKING:
     from sqm.core.member import Member
@@ -165,7 +166,7 @@ class StructureRecovery:
         done = threading.Event()
         renewer = threading.Thread(target=self._renew, args=(name, holder, done), daemon=True,
                                    name=f"{qm.name}-recauto-lock-{name}")
-        ok = False
+        ok = left = False
         try:
             admin.set_recovery_attempt(name, holder)
             renewer.start()
@@ -194,6 +195,7 @@ class StructureRecovery:
             self._next_try.pop(name, None)
             ok = True
         except Exception as e:  # noqa: BLE001 - every failure is a CSQE line and a retry, never a dead thread
+            left = isinstance(e, StructureLeftRecovering)
             n = self._failures[name] = self._failures.get(name, 0) + 1
             delay = min(RETRY_MAX_S, 2.0 ** n)
             self._next_try[name] = time.monotonic() + delay
@@ -203,7 +205,10 @@ class StructureRecovery:
         finally:
             done.set()
             with contextlib.suppress(*CF_DOWN):
-                if admin.recovery_attempt(name) == holder:
+                # A failed attempt that left the structure RECOVERING under its own claim keeps its mark: without it
+                # the structure reads as an operator's restore, which no member recovers, where CSQE135E said that
+                # it is tried again. (One refused because an operator's restore claimed it first leaves it alone.)
+                if admin.recovery_attempt(name) == holder and not left:
                     admin.set_recovery_attempt(name, None)
                 admin.release_structure_recovery_lock(name, holder)
             if not ok:
@@ -225,4 +230,5 @@ class StructureRecovery:
                             "the structure decides whether it may write", self.qm.name, name, why)
 
 
-__all__ = ["CHECK_INTERVAL_S", "EVENTS", "RecoverStructure", "StructureRecovery", "counter"]
+__all__ = ["CHECK_INTERVAL_S", "EVENTS", "RecoverStructure", "StructureLeftRecovering", "StructureRecovery",
+           "counter"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import redis
 
 from cfemu import bulk
-from cfemu.admin import Admin
+from cfemu.admin import StructureDef
 
 S = "APP1"
 
@@ -18,8 +18,7 @@ def test_a_claim_of_a_lost_structure_that_another_restore_holds_names_it_in_prog
     seen = bulk.observe(client, S)  # the CF was lost: no structure
     assert seen.state == "" and seen.gen == 0
     with bulk.claim(client, S, bulk.observe(client, S)) as other:  # the other restore, in its load
-        bulk.mark_recovering(other.admin, S)  # as restore.run._redefine: the structure defined again, RECOVERING
-        Admin(other.admin).define_structure(S, replace=True)
+        bulk.reset(other, StructureDef(S))  # as the other's load begins: the structure RECOVERING, generation 1
         why = bulk.changed_since(seen, bulk.observe(client, S))
         assert why is not None
         assert "purge emptied" not in str(why), why
