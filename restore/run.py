@@ -796,7 +796,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         if not dry_run:
             _refuse_if_changed(client, structure, seen)  # the common case, before restore's log is even opened
             with (_restore_log(log_root, structure, decisions_seen) as rlog,
-                  _no_point_since(backup_root, structure, points_seen, backup_keys),
+                  _no_point_since(backup_root, structure, points_seen, backup_keys, "restore"),
                   _owning(client, structure, seen) as owner):
                 owned = Admin(owner.admin)  # the owner's own connection (a cluster's: its {ADMIN} slot, bulk.Owner)
                 if state == "ACTIVE":
@@ -923,17 +923,20 @@ def finished_points(backup_root: Path, structure: str, backup_keys: BackupKeys) 
 
 
 @contextmanager
-def _no_point_since(backup_root: Path, structure: str, seen: set[str], backup_keys: BackupKeys) -> Iterator[None]:
-    """Entered before the claim, under restore's own log's lock: refuse, writing nothing, when a restore or a purge
-    finished its load since this restore started (`seen`: the finished points then). The claim cannot always tell:
-    a CF lost again by a flush (the same server, its run id unchanged) holds nothing of the other's token,
-    generation or state. This restore's plan starts before that point: loaded, it would bring back the structure
-    as it was before the other (without the work committed on it since) in a generation below the other's."""
+def _no_point_since(backup_root: Path, structure: str, seen: set[str], backup_keys: BackupKeys,
+                    what: str) -> Iterator[None]:
+    """Entered before the claim (a restore's under restore's own log's lock): refuse, writing nothing, when a
+    restore or a purge finished its load since this `what` ("restore", "purge") started (`seen`: the finished
+    points then). The claim cannot always tell: a CF lost again by a flush (the same server, its run id unchanged)
+    holds nothing of the other's token, generation or state. A restore's plan starts before that point: loaded, it
+    would bring back the structure as it was before the other (without the work committed on it since) in a
+    generation below the other's. A purge would empty a structure restored since it chose to purge, where a restore
+    completed since is refused, not emptied."""
     new = sorted(finished_points(backup_root, structure, backup_keys) - seen)
     if new:
-        raise RestoreError(f"restore of {structure} refused: another restore or a purge wrote its restore point "
+        raise RestoreError(f"{what} of {structure} refused: another restore or a purge wrote its restore point "
                            f"{new[-1]} since this one started, and this one's plan does not start there; nothing "
-                           f"was written: run the restore of {structure} again")
+                           f"was written: run the {what} of {structure} again")
     yield
 
 
@@ -1012,6 +1015,7 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
         refuse_others_writing(directory)
     admin = Admin(client)
     repo = GroupRepository(log_root)
+    points_seen = finished_points(backup_root, structure, backup_keys)  # before the structure is seen: as restore's
     seen = seen if seen is not None else bulk.observe(client, structure)  # what the purge's claim compares against
     sdef, queues, lost = _definitions_without_backup(
         admin, repo, structure, " (a purge keeps a definition; restore it from a backup instead)")
@@ -1029,7 +1033,9 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
                             entries=(), tombstones=tombstones, backup_keys=backup_keys)
         return point
 
-    purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root),
-                           backup_root=backup_root, backup_keys=backup_keys, seen=seen, before_activate=write_point)
+    with _no_point_since(backup_root, structure, points_seen, backup_keys, "purge"):
+        purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root),
+                               backup_root=backup_root, backup_keys=backup_keys, seen=seen,
+                               before_activate=write_point)
     rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
     return PurgeResult(structure, state, purged.discarded, purged.discarded_bytes, purged.gen, restore_point=point)

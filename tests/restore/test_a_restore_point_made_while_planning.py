@@ -10,12 +10,15 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+
 from backup.catalog import list_backups
-from backup.points import RESTORE, kind_of
+from backup.points import PURGE, RESTORE, kind_of
 from backup.run import run_backup
 from cfemu.admin import Admin
+from restore import run as restore_run
 from restore.engine import SETTLE
-from restore.run import RestoreError, run_restore
+from restore.run import RestoreError, run_purge, run_restore
 from tests.restore.test_ownership import in_thread
 from tests.restore.test_restore import S, all_keys, drain
 from tests.support.group import define_group, rejoin, start_qm
@@ -74,4 +77,43 @@ def test_a_restore_that_planned_before_another_restore_and_a_flush_of_the_cf_ref
     rejoin(qm)
     assert [body for body, _ in drain(qm.connect(), "Q1")] == [
         *(f"m{i}".encode() for i in range(5)), b"committed after the other restore"]
+    qm.stop()
+
+
+def test_a_purge_that_began_before_a_restore_and_a_flush_of_the_cf_refuses(redis_url: str, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a purge: one chosen on the lost CF, a restore bringing the structure back and work committed
+    on it before the purge claims, then the CF flushed again. The purge refuses in one line, writing nothing; it
+    empties a structure only as it saw it."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url)
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    conn = qm.connect()
+    conn.put("Q1", b"m0")
+    conn.commit()
+    run_backup(client, S, backups, log_root=logs)
+    lose_cf(client)
+
+    others: list[str] = []
+    checked = restore_run.refuse_missing_member_logs
+
+    def another_restore_first(*args: object, **kwargs: object) -> None:
+        # Between the purge's start and its claim: another restore, work on the structure, the CF flushed.
+        if not others:
+            others.append(run_restore(client, S, backup_root=backups, log_root=logs).restore_point)
+            rejoin(qm)
+            again = qm.connect()
+            again.put("Q1", b"committed after the other restore")
+            again.commit()
+            lose_cf(client)
+        checked(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(restore_run, "refuse_missing_member_logs", another_restore_first)
+    with pytest.raises(RestoreError) as refused:
+        run_purge(client, S, backup_root=backups, log_root=logs)
+    message = str(refused.value)
+    assert message.startswith("purge of APP1 refused: another restore or a purge wrote its restore point "), message
+    assert others[0] in message and "nothing was written" in message and "\n" not in message
+    assert all_keys(client) == {}
+    assert [kind_of(b.manifest) for b in list_backups(backups, S) if b.manifest].count(PURGE) == 0
     qm.stop()
