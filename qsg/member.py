@@ -28,7 +28,7 @@ from cfemu.pstore import HOT, start_mode
 from cfemu.repository import GroupRepository
 from cfemu.settings import Settings
 from qsg.group_supervisor import EXIT_FILE_ENV, record_exit
-from restore.engine import LOAD
+from restore.engine import LOAD, PURGING
 from restore.run import RestoreStoppedError, run_restore
 from restore.start_modes import automatic_start
 from sqm import cli as sqm_cli
@@ -53,8 +53,9 @@ def summary(result: Any) -> str:
 
 
 def claimed_failures(restore: Callable[[Progress], T], progress: Progress) -> T:
-    """restore(progress), a restore.run.run_restore: a failure that leaves the structure RECOVERING under its claim
-    raised as StructureLeftRecovering, for RECAUTO to try it again (sqm.core.recauto): one once its load began, or a
+    """restore(progress), a restore.run.run_restore or a start mode's purge (restore.start_modes.automatic_start): a
+    failure that leaves the structure RECOVERING under its claim raised as StructureLeftRecovering, for RECAUTO to
+    try it again (sqm.core.recauto): one once its load began (a purge's: once it claimed the structure), or a
     stop because the CF was lost (one restarted from its own data holds the structure so; one restarted empty has
     it FAILED, recovered anyway). A stop because another restore or a purge took the structure over, or an operator
     changed its state, leaves it theirs: the restore's error as it is."""
@@ -62,7 +63,7 @@ def claimed_failures(restore: Callable[[Progress], T], progress: Progress) -> T:
 
     def seen(phase: str, done: int, total: int | None) -> None:
         nonlocal loading
-        loading = loading or phase == LOAD
+        loading = loading or phase in (LOAD, PURGING)
         progress(phase, done, total)
 
     try:
@@ -92,8 +93,9 @@ def restore_hook(args: argparse.Namespace, found: Settings) -> RecoverStructure:
         client = connect(url)
         try:
             if start_mode(GroupRepository(log_root), structure) != HOT:
-                started = automatic_start(client, structure, backup_root=backup_root, log_root=log_root,
-                                          progress=progress, backup_keys=found.backup_keys())
+                started = claimed_failures(lambda seen: automatic_start(
+                    client, structure, backup_root=backup_root, log_root=log_root, progress=seen,
+                    backup_keys=found.backup_keys()), progress)
                 return {"backup": "none", "base_kind": f"{started['mode']} start", "replay_from": "-",
                         "summary": started["summary"]}
             result = claimed_failures(lambda seen: run_restore(

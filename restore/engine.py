@@ -47,6 +47,9 @@ from sqm.log.format import log_segments, read_manifest, trusted_segments
 
 READ_BACKUP, READ_LOGS, SETTLE, LOAD = "read backup", "read logs", "settle", "load"
 PHASES = (READ_BACKUP, READ_LOGS, SETTLE, LOAD)
+# A purge (a COLD or WARM start, `cfrestore purge`) reports this once it has claimed the structure: from then on a
+# failure leaves the structure RECOVERING under its claim, as a restore's does once its load began.
+PURGING = "purging"
 
 class BackupSource(Protocol):
     """What an engine needs of a backup (backup.files.Backup provides it)."""

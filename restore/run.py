@@ -87,7 +87,7 @@ from cfemu.progress import Progress, no_progress
 from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository, migrated_refusal
 from cfemu.settings import restore_memory, restore_workers
-from restore.engine import PHASES, default_engine, get_engine
+from restore.engine import PHASES, PURGING, default_engine, get_engine
 from restore.load import LoadResult, batch_bytes_for, load_plan, loaded_tombstones, restore_owned_uows
 from restore.partitioned import DEFAULT_MEMORY
 from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan, base_lrsn
@@ -608,20 +608,31 @@ def history_lrsn(backup_root: Path, structure: str, backup_keys: BackupKeys) -> 
 
 def purge_claimed(client: redis.Redis, sdef: StructureDef, queues: list[QueueDef], *, group: str, lost: bool,
                   log_root: Path, backup_root: Path, backup_keys: BackupKeys, seen: bulk.Seen | None,
-                  **options: Any) -> bulk.Purged:
+                  progress: Progress = no_progress, **options: Any) -> bulk.Purged:
     """bulk.purge of the structure (a COLD start, a WARM one, `cfrestore purge`) as the caller saw it (``seen``):
     the UOWs committed before the new base tombstoned from every member's log, the structure defined again as the
     purge's first step once it owns it (bulk.purge's claimed), so that a purge refused because a restore took the
     structure over meanwhile changed nothing, and its generation above the structure's history (history_lrsn).
-    Refused in one line (RestoreError) when it lost the claim. ``options``: bulk.purge's (before_activate, flags)."""
+    Refused in one line (RestoreError) when it lost the claim; once it owned the structure (progress reports PURGING),
+    a later loss of it is a RestoreStoppedError (cf_lost: the CF was lost or replaced). ``options``: bulk.purge's
+    (before_activate, flags)."""
     structure = sdef.name
+    owned = False
+
+    def claimed(owner: bulk.Owner) -> None:
+        nonlocal owned
+        owned = True
+        progress(PURGING, 0, None)
+        _redefine(Admin(owner.admin), group, sdef, queues, lost=lost)
+
     try:
         return bulk.purge(client, sdef, [q.name for q in queues],
                           committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen),
-                          seen=seen, claimed=lambda owner: _redefine(Admin(owner.admin), group, sdef, queues,
-                                                                     lost=lost),
-                          above=history_lrsn(backup_root, structure, backup_keys), **options)
+                          seen=seen, claimed=claimed, above=history_lrsn(backup_root, structure, backup_keys),
+                          **options)
     except bulk.NotOwnerError as e:
+        if owned:
+            raise RestoreStoppedError(str(_refused(structure, e)), cf_lost=isinstance(e, bulk.CFReplacedError)) from e
         raise _refused(structure, e) from e
 
 
@@ -993,7 +1004,7 @@ def _group_of(admin: Admin, backup_root: Path, structure: str, lost: bool, backu
 
 def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
               mark_failed: bool = False, backup_keys: BackupKeys | None = None,
-              seen: bulk.Seen | None = None) -> PurgeResult:
+              seen: bulk.Seen | None = None, progress: Progress = no_progress) -> PurgeResult:
     """RECOVER CFSTRUCT TYPE(PURGE): discard every message, keep the definition and queues, a new generation
     (so every unit of work from before is backed out when it next touches the structure), state ACTIVE.
     The purge is a restore point (kind purge, empty) in the backup catalog, written before the structure is
@@ -1036,6 +1047,6 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
     with _no_point_since(backup_root, structure, points_seen, backup_keys, "purge"):
         purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root),
                                backup_root=backup_root, backup_keys=backup_keys, seen=seen,
-                               before_activate=write_point)
+                               before_activate=write_point, progress=progress)
     rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
     return PurgeResult(structure, state, purged.discarded, purged.discarded_bytes, purged.gen, restore_point=point)

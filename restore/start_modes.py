@@ -90,14 +90,14 @@ def start(client: redis.Redis, structure: str, mode: str, *, backup_root: Path, 
                    summary=f"{r.loaded_entries} entries restored from {r.backup_id or 'the logs'}")
     elif mode == COLD:
         p = run_purge(client, structure, backup_root=backup_root, log_root=log_root, mark_failed=warm,
-                      backup_keys=backup_keys, seen=seen)
+                      backup_keys=backup_keys, seen=seen, progress=progress)
         out.update(discarded=p.discarded, gen=p.gen, restore_point=p.restore_point,
                    summary=f"started empty ({p.discarded} entries discarded), restore point {p.restore_point}")
     else:
         if warm:
             raise RestoreError(f"structure {structure} runs from a WARM start already")
         gen = warm_start(client, structure, backup_root=backup_root, log_root=log_root, backup_keys=backup_keys,
-                         seen=seen)
+                         seen=seen, progress=progress)
         out.update(gen=gen, summary="started empty with its persistent store disconnected; its backups and logs "
                                     "are kept for a later HOT start")
     return out
@@ -115,7 +115,8 @@ def _refuse_another_groups_root(admin: Admin, structure: str, log_root: Path) ->
 
 
 def warm_start(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
-               backup_keys: BackupKeys | None = None, seen: bulk.Seen | None = None) -> int:
+               backup_keys: BackupKeys | None = None, seen: bulk.Seen | None = None,
+               progress: Progress = no_progress) -> int:
     """The WARM start (module doc): the structure empty and ACTIVE in a new generation, persistent store
     disconnected, no restore point. Returns the generation. seen: the structure as the caller saw it when it chose
     the start (bulk.observe; default: now): a restore that completed since is refused, not emptied."""
@@ -127,7 +128,8 @@ def warm_start(client: redis.Redis, structure: str, *, backup_root: Path, log_ro
     keys_ = resolve_keys(backup_keys)
     group = _group_of(admin, backup_root, structure, lost, keys_)
     purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root),
-                           backup_root=Path(backup_root), backup_keys=keys_, seen=seen, flags=WARM_FLAGS)
+                           backup_root=Path(backup_root), backup_keys=keys_, seen=seen, flags=WARM_FLAGS,
+                           progress=progress)
     # Before anything else reads the new generation as a base: a restore never starts from it (cfemu.pstore).
     record_warm_generation(repo, structure, purged.gen)
     rebuild_catalog(admin, backup_root, structure, backup_keys=keys_)
