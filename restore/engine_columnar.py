@@ -48,6 +48,7 @@ import pyarrow as pa
 from backup.files import Backup, entry_path
 from cfemu.bulk import Staged
 from cfemu.progress import Progress, no_progress
+from cfemu.settings import ENV_MEMORY_LIMIT
 from cfemu.uow_attributes import CONTROL_SUFFIX
 from restore import columnar_staged
 from restore.columns import (
@@ -804,6 +805,24 @@ class ColumnarPlan(SummarizedPlan):
             self.spill.close()
 
 
+class PlanMemoryError(ValueError):
+    """The plan needed more memory than the restore's memory limit gives DuckDB (duckdb_memory_for): a limit too
+    small for the history, said in one line with what to do. The plan runs before the restore claims the structure:
+    nothing was written."""
+
+    def __init__(self, memory: int, cause: duckdb.OutOfMemoryException) -> None:
+        making = [note.split(" making ", 1)[1] for note in getattr(cause, "__notes__", ()) if " making " in note]
+        where = f" in its statement making {making[0]}" if making else ""
+        super().__init__(
+            f"the restore's plan ran out of memory{where} (--memory-limit {_size(memory)}, DuckDB's share "
+            f"{duckdb_memory_for(memory) >> 20} MiB): nothing was written; run it again with a larger "
+            f"--memory-limit (${ENV_MEMORY_LIMIT} for RECAUTO's restores)")
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
 class ColumnarEngine:
     """The plan as one columnar plan on DuckDB, in bounded memory: its tables and spilled operators in a private
     temporary directory under `work_dir`, within `memory` bytes (DuckDB is given duckdb_memory_for(memory), the
@@ -823,6 +842,9 @@ class ColumnarEngine:
         spill = SpillDir(self.work_dir)
         try:
             return self._plan(spill, structure, backup, log_dirs, replay_from, now_ms, progress)
+        except duckdb.OutOfMemoryException as e:
+            spill.close()
+            raise PlanMemoryError(self.memory, e) from None
         except BaseException:
             spill.close()
             raise

@@ -225,6 +225,26 @@ def test_the_plan_holds_at_duckdbs_floor_with_a_margin_of_two(tmp_path: Path,
         assert limit == ("32.0 MiB",)
 
 
+def test_a_plan_that_runs_out_of_its_memory_says_so_in_one_line(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A memory limit too small for the history (here DuckDB given 1 MiB): the plan stops with one line naming the
+    limit, DuckDB's share and the statement, and what to do (a ValueError: the command line's one-line error), not
+    DuckDB's own exception and its advice on DuckDB's settings; its spill directory is removed."""
+    h = simulate(random.Random(7), 3_000)
+    backup, log_dirs = write_history(h, tmp_path)
+    (tmp_path / "work").mkdir()
+    monkeypatch.setattr(engine_columnar, "DUCKDB_MIN_MEMORY", 1 << 20)
+    with pytest.raises(engine_columnar.PlanMemoryError) as stopped:
+        ColumnarEngine(work_dir=tmp_path / "work", memory=64 << 10, workers=2).plan(S, backup, log_dirs,
+                                                                                   h.replay_from, NOW_MS)
+    message = str(stopped.value)
+    assert isinstance(stopped.value, ValueError) and "\n" not in message
+    assert message.startswith("the restore's plan ran out of memory"), message
+    assert "(--memory-limit 64 KiB, DuckDB's share 1 MiB): nothing was written; run it again with a larger " \
+           "--memory-limit ($CFEMU_RESTORE_MEMORY for RECAUTO's restores)" in message
+    assert list((tmp_path / "work").iterdir()) == []
+
+
 def test_a_history_across_a_restore(tmp_path: Path) -> None:
     h = simulate(random.Random(12), 300)
     assert h.gen == 2
