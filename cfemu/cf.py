@@ -703,6 +703,16 @@ class Structure:
         value, cf_ms = self._call("pclock", None, [max_gap_ms, floor])
         return PClockReply(int(value), int(cf_ms))
 
+    def fail(self, *, token: int, gen: int) -> str | None:
+        """Fail the ACTIVE structure if its restore token and generation are still ``token`` and ``gen`` (fail.lua):
+        an operator's restore or purge of a live structure, before its claim. None when it failed it, else why not
+        (its state, token and generation now)."""
+        out = self._call("fail", None, [token, gen])
+        if out == 1:
+            return None
+        state, now_token, now_gen = (keys.text(v) for v in out)
+        return f"now {state}, restore token {now_token}, generation {now_gen}"
+
     def pstore(self, action: str = "status") -> PstoreStatus:
         """Read or change the availability of the structure's persistent store (pstore.lua; docs/pstore.md):
         action status, disconnect, connect, nonew-on or nonew-off."""

@@ -81,6 +81,7 @@ from backup.points import (
 from backup.run import rebuild_catalog
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
+from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
 from cfemu.private_files import refuse_others_writing
 from cfemu.progress import Progress, no_progress
@@ -808,7 +809,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
             _refuse_if_changed(client, structure, seen)  # the common case, before restore's log is even opened
             with (_restore_log(log_root, structure, decisions_seen) as rlog,
                   _no_point_since(backup_root, structure, points_seen, backup_keys, "restore"),
-                  _owning(client, structure, seen) as owner):
+                  _failed_if_live(client, structure, seen, "restore") as claimed_seen,
+                  _owning(client, structure, claimed_seen) as owner):
                 owned = Admin(owner.admin)  # the owner's own connection (a cluster's: its {ADMIN} slot, bulk.Owner)
                 if state == "ACTIVE":
                     plan = make_plan()  # again: members may have logged more before the claim stopped them
@@ -934,6 +936,22 @@ def finished_points(backup_root: Path, structure: str, backup_keys: BackupKeys) 
 
 
 @contextmanager
+def _failed_if_live(client: redis.Redis, structure: str, seen: bulk.Seen, what: str) -> Iterator[bulk.Seen]:
+    """Entered just before the claim: a structure that was ACTIVE when the restore or purge started (--mark-failed)
+    is failed first (fail.lua), if it is still the structure seen then; yields what the claim compares against. Its
+    members write its header on every operation while it is ACTIVE, so the claim's guarded transaction, which
+    watches the header, found it changed every time on a busy structure; once FAILED the members write nothing.
+    Refused, writing nothing, when another restore or a purge took it over since."""
+    if seen.state == "ACTIVE":
+        why = CF(client).structure(structure).fail(token=seen.token, gen=seen.gen)
+        if why is not None:
+            raise RestoreError(f"{what} of {structure} refused: the structure changed since this {what} started "
+                               f"({why}); nothing was written: run the {what} of {structure} again")
+        seen = bulk.observe(client, structure)
+    yield seen
+
+
+@contextmanager
 def _no_point_since(backup_root: Path, structure: str, seen: set[str], backup_keys: BackupKeys,
                     what: str) -> Iterator[None]:
     """Entered before the claim (a restore's under restore's own log's lock): refuse, writing nothing, when a
@@ -1044,9 +1062,10 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
                             entries=(), tombstones=tombstones, backup_keys=backup_keys)
         return point
 
-    with _no_point_since(backup_root, structure, points_seen, backup_keys, "purge"):
+    with (_no_point_since(backup_root, structure, points_seen, backup_keys, "purge"),
+          _failed_if_live(client, structure, seen, "purge") as claimed_seen):
         purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root),
-                               backup_root=backup_root, backup_keys=backup_keys, seen=seen,
+                               backup_root=backup_root, backup_keys=backup_keys, seen=claimed_seen,
                                before_activate=write_point, progress=progress)
     rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
     return PurgeResult(structure, state, purged.discarded, purged.discarded_bytes, purged.gen, restore_point=point)

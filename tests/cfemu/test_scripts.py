@@ -1891,6 +1891,37 @@ class TestAdminHoldLock:
         assert admin.try_conversation_lock(S, "SVC", "ab12", "uow-2", 60_000)
 
 
+class TestFail:
+    """An operator's restore or purge of a live structure fails it before its claim (fail.lua), only while it is the
+    structure the restore saw: ACTIVE, with the restore token and generation given."""
+
+    def test_fails_the_structure_it_was_given_and_members_write_nothing_after(self, admin: Admin, s: Structure,
+                                                                            qm1: Caller) -> None:
+        head = admin.redis.hmget(keys.meta(S), "restore_token", "gen")
+        token, gen = int(head[0] or 0), int(head[1] or 0)
+        s.put(qm1, entry("m1"), b"x")
+        assert s.fail(token=token, gen=gen) is None
+        assert admin.state(S) == "FAILED"
+        before = admin.redis.hgetall(keys.meta(S))
+        with pytest.raises(StructureFailedError):
+            s.put(qm1, entry("m2"), b"x")
+        assert admin.redis.hgetall(keys.meta(S)) == before  # a member's refused call leaves the header as it is
+
+    def test_leaves_a_structure_that_is_not_the_one_seen(self, admin: Admin, s: Structure) -> None:
+        head = admin.redis.hmget(keys.meta(S), "restore_token", "gen")
+        token, gen = int(head[0] or 0), int(head[1] or 0)
+        assert s.fail(token=token + 1, gen=gen) == f"now ACTIVE, restore token {token}, generation {gen}"
+        assert s.fail(token=token, gen=gen + 1) == f"now ACTIVE, restore token {token}, generation {gen}"
+        admin.redis.hset(keys.meta(S), "state", "RECOVERING")  # another restore's claim
+        assert s.fail(token=token, gen=gen) == f"now RECOVERING, restore token {token}, generation {gen}"
+        assert admin.state(S) == "RECOVERING"
+
+    def test_a_structure_the_cf_lost_is_refused(self, admin: Admin, s: Structure) -> None:
+        admin.redis.delete(keys.meta(S))
+        with pytest.raises(StructureFailedError):
+            s.fail(token=0, gen=1)
+
+
 class TestPstore:
     """The persistent store's availability (docs/pstore.md): disconnect / connect and the "no new units of work"
     state, as pstore.lua sets them and put, get, commit, standing and pclock honour them."""
