@@ -341,6 +341,88 @@ register(FaultKind(
         "get `duplicated`"))
 
 
+def backup_under_restore(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """A fuzzy backup of a structure runs across an operator's restore of it (`cfrestore run --mark-failed`): the
+    backup is held at one of its copy steps (from the seed) until the restore has claimed the structure and begun
+    its load, then goes on to its end; the CF is killed then, before the restore's load ends, restarted empty, and
+    every structure restored again from its newest good backup, as the operator would. The backup's copy after the
+    claim is of what the restore's wipe left: it must not end ok (the claim takes its mark away). Kept as the
+    newest good backup, the restores run again would load what it copied, without the messages it missed (the
+    checker's `lost`)."""
+    structure, at_step = str(f.params.get("structure", "APP1")), int(f.params.get("step", 3))
+    ensure_backups(g)
+    held, release, killed = threading.Event(), threading.Event(), threading.Event()
+
+    def on_step(n: int, state: str) -> None:
+        if n == at_step and not held.is_set():
+            held.set()
+            release.wait(120)
+
+    backed: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            backed["manifest"] = backup_structure(g, structure, on_step)
+        except Exception as e:  # judged below: with the restore's claim it must not end ok
+            backed["error"] = e
+
+    thread = threading.Thread(target=run, name="backup-under-restore", daemon=True)
+    thread.start()
+    out: dict[str, Any] = {"structure": structure, "step": at_step}
+
+    def at_load(phase: str, done: int, total: int | None) -> None:
+        if phase == LOAD and not killed.is_set():
+            killed.set()
+            release.set()
+            thread.join(120)
+            step(f"the backup of {structure} ended across the restore's claim: "
+                 f"{backed['manifest']['id'] if 'manifest' in backed else backed.get('error')}")
+            g.c.kill_cf()
+            step("CF killed during the restore's load")
+
+    try:
+        if not held.wait(60):
+            raise FaultError(f"the backup of {structure} never reached its step {at_step}: {backed}")
+        step(f"backup of {structure} held at its step {at_step}", live_order=order_snapshot(g))
+        try:
+            restore_structure(g, structure, step, at_load, mark_failed=True)
+            raise FaultError(f"the restore of {structure} completed though the CF was killed during its load")
+        except FaultError:
+            raise
+        except Exception as e:
+            if not killed.is_set():
+                raise FaultError(f"the restore of {structure} failed before its load: {type(e).__name__}: {e}") from e
+            out["first_restore"] = f"{type(e).__name__}: {str(e)[:160]}"
+    finally:
+        release.set()
+        thread.join(120)
+    out["backup"] = backed["manifest"]["id"] if "manifest" in backed else \
+        f"{type(backed.get('error')).__name__}: {str(backed.get('error'))[:160]}"
+    g.c.restart_cf()
+    step("CF restarted empty")
+    out.update(restore_all(g, step))
+    step("restored order read", restored_order=order_snapshot(g))
+    step("heal")
+    if "manifest" in backed:
+        raise FaultError(f"backup {backed['manifest']['id']} of {structure} ended ok across a restore's claim: it "
+                         "copied what the restore's wipe left")
+    return out
+
+
+def _backup_under_restore(d: Draw) -> tuple[float, dict[str, Any]]:
+    return 0.0, {"structure": d.rnd.choice(sorted(STRUCTURES)), "step": d.rnd.randint(1, 5)}
+
+
+register(FaultKind(
+    "backup-under-restore", backup_under_restore, number=36, cost_s=10.0, draw=_backup_under_restore,
+    doc="a fuzzy backup of a structure (from the seed) is held at one of its five copy steps; the operator restores "
+        "the live structure (`cfrestore run --mark-failed`); when the restore begins its load the backup goes on to "
+        "its end, and then the CF is killed, restarted empty, and every structure restored again, as the operator "
+        "would. The backup ran across the restore's claim and copied what its wipe left: ending ok it would be the "
+        "newest good backup, and the restores run again would load its copy (the checker's `lost`); it must fail "
+        "(the claim takes its mark away), else a fault error"))
+
+
 def during_backup(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     target, at_step = f.target, int(f.params.get("step", 3))
 

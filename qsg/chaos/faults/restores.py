@@ -104,11 +104,12 @@ def restore_engine(seed: int, restore: int) -> dict[str, int]:
 
 
 def restore_structure(g: ChaosGroup, structure: str, step: Step,
-                      progress: Progress = no_progress) -> RestoreResult:
+                      progress: Progress = no_progress, mark_failed: bool = False) -> RestoreResult:
     """run_restore, as the operator runs cfrestore, with its span in the history for the checker: 'restore
     began' and 'restore ended' events carrying the restore's number, the structure and its queues, the CF's
     identity at each end, the outcome (ok, refused, stopped, failed) and, when the CF changed under the restore,
-    how many keys only a restore writes the new CF held right after it (written_into_new_cf)."""
+    how many keys only a restore writes the new CF held right after it (written_into_new_cf). mark_failed: of a
+    live structure, as `cfrestore run --mark-failed`."""
     rid = next(_restore_ids)
     cf0 = _cf_id(g)
     g.restores += 1
@@ -119,7 +120,7 @@ def restore_structure(g: ChaosGroup, structure: str, step: Step,
     outcome, error = "ok", ""
     try:
         return run_restore(client, structure, backup_root=g.c.backup_dir, log_root=g.c.log_root, progress=progress,
-                           backup_keys=g.c.backup_keys(), engine_options=engine)
+                           backup_keys=g.c.backup_keys(), engine_options=engine, mark_failed=mark_failed)
     except RestoreStoppedError as e:
         outcome, error = "stopped", str(e)
         raise

@@ -223,6 +223,15 @@ def test_browse_storm_run_finds_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_backup_under_restore_run_finds_nothing(tmp_path: Path) -> None:
+    """The fault kind backup-under-restore: a backup that ran across an operator's restore of its structure does not
+    end ok (the claim takes its mark away), and the restores run again after a CF loss lose nothing."""
+    s = kind_run(tmp_path, "backup-under-restore", 1, 10)
+    assert all(f["timings"]["backup"].startswith("BackupCancelledError") for f in s["faults"]), s["faults"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_log_volume_missing_run_finds_nothing(tmp_path: Path) -> None:
     """The fault kind log-volume-missing: a member killed -9 whose log volume does not come back is recovered by no
     peer and refuses to start (the configuration exit code) until the volume is back; then it restarts from its log
