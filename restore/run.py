@@ -963,9 +963,11 @@ def _no_point_since(backup_root: Path, structure: str, seen: set[str], backup_ke
     completed since is refused, not emptied."""
     new = sorted(finished_points(backup_root, structure, backup_keys) - seen)
     if new:
+        why = ("this one's plan does not start there" if what == "restore" else
+               "this one would empty what that one made")
         raise RestoreError(f"{what} of {structure} refused: another restore or a purge wrote its restore point "
-                           f"{new[-1]} since this one started, and this one's plan does not start there; nothing "
-                           f"was written: run the {what} of {structure} again")
+                           f"{new[-1]} since this one started, and {why}; nothing was written: run the {what} of "
+                           f"{structure} again")
     yield
 
 
