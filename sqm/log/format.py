@@ -438,8 +438,13 @@ def log_segments(directory: Path, manifest: dict[str, Any] | None) -> list[tuple
     """Every segment of the log, oldest first: the archived ones (read where the archive keeps them) and then the
     active ones (checked_segments). A segment both archived and still in the active log (an archive interrupted
     before it removed the active file) is read from the active log. Segments below the manifest's "pruned" mark
-    were removed on purpose (sqm log prune: no recovery needed them); any other gap is a format error."""
-    active = checked_segments(directory, manifest, use_copies=True)
+    were removed on purpose (sqm log prune: no recovery needed them); any other gap is a format error. A file still
+    there below that mark is one whose removal was interrupted (a prune killed after its manifest, or a circular
+    ring's reuse killed before its rename: a file emptied, or holding the next segment's header under its old
+    name): it is not part of the log, and its writer removes it when it next opens the log. A reader that read it
+    would fail on it (a peer recovering the dead member, a restore, the printer) or read records the log gave up."""
+    pruned = int((manifest or {}).get("pruned", 0))
+    active = [(n, p) for n, p in checked_segments(directory, manifest, use_copies=True) if n >= pruned]
     have = {segno for segno, _ in active}
     out: list[tuple[int, Path]] = []
     for info in archived_segments(manifest):
