@@ -361,9 +361,13 @@ class SegmentScan:
                     return
                 actual = crc32c(body)
                 if actual != crc:
-                    more = f.peek(1)[:1] if hasattr(f, "peek") else b""
-                    if is_last and not more:
-                        self.torn_bytes = FRAME_HEADER_BYTES + length  # bad CRC on the final frame: torn
+                    # The final frame of the last segment with a bad CRC is torn: at the end of the file, or
+                    # followed by zero bytes only (a crash on a filesystem that leaves the unwritten pages of a
+                    # write as zeros: this frame's end and whatever followed it were never written). Forced frames
+                    # were written whole, so nothing forced is given up; anything else after it is corruption.
+                    rest = f.read() if is_last else b""
+                    if is_last and rest.count(0) == len(rest):
+                        self.torn_bytes = FRAME_HEADER_BYTES + length + len(rest)
                         return
                     raise LogCorruptError(
                         path, off, f"CRC mismatch (stored {crc:#010x}, computed {actual:#010x}, length {length})"
