@@ -367,6 +367,7 @@ class RecordLog:
             todo = [i for i in self._sealed if i.segment < below]
         if not todo:
             return []
+        self._refuse_own_directory(archive_dir)
         private_dir(archive_dir)  # segments hold message bodies: 0700 (each file 0600)
         done = []
         for info in todo:
@@ -398,6 +399,7 @@ class RecordLog:
             todo = [i for i in self._sealed if i.segment not in have]
         if not todo:
             return []
+        self._refuse_own_directory(archive_dir)
         private_dir(archive_dir)
         done = []
         for info in todo:
@@ -411,6 +413,19 @@ class RecordLog:
                 self._write_manifest_locked()
             done.append(info.segment)
         return done
+
+    def _refuse_own_directory(self, archive_dir: Path) -> None:
+        """An archive directory must not be the log directory itself (an archive root set to the log root makes
+        ROOT/<member> the member's own log): each segment's "copy" would be its active file, and archiving would then
+        remove the only file the manifest lists it in, leaving a log that every reader refuses (its archived segment
+        missing). LogFormatError, before anything is copied or removed."""
+        try:
+            same = archive_dir.exists() and os.path.samefile(archive_dir, self.directory)
+        except OSError:
+            same = False
+        if same or archive_dir.resolve() == self.directory.resolve():
+            raise LogFormatError(f"{archive_dir}: the archive directory of {self.member}'s log is the log directory "
+                                 "itself: archive to another directory (--log-archive-dir is a root: ROOT/<member>)")
 
     def prune(self, below: int) -> list[int]:
         """Remove every segment numbered below `below` for good, active or archived (the caller checked that no
