@@ -417,7 +417,43 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         raise LogFormatError(f"{path}: not a record log manifest")
     if data.get("version") != FORMAT_VERSION:
         raise LogFormatError(f"{path}: unsupported manifest version {data.get('version')!r}")
+    _check_manifest(path, data)
     return data
+
+
+def _is_position(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
+
+
+#: What each list of the manifest holds: every field its readers take for granted, with its test.
+_MANIFEST_ENTRIES: dict[str, dict[str, Any]] = {
+    "segments": {"segment": int, "end": _is_position},
+    "archived": {"segment": int, "end": _is_position, "path": str},
+    "copies": {"segment": int, "path": str, "bytes": int, "sha256": str},
+    "checkpoints": {"position": _is_position, "lrsn": int},
+}
+
+
+def _check_manifest(path: Path, data: dict[str, Any]) -> None:
+    """A manifest that parses but is not of this format's shape (edited by hand, or damaged into other valid JSON)
+    is a LogFormatError naming the file and the field, before any reader or the writer trusts a field of it:
+    otherwise a KeyError or a TypeError deep in a reader would be all the operator sees."""
+    if not isinstance(data["member"], str) or not data["member"]:
+        raise LogFormatError(f"{path}: malformed manifest: 'member' must be a member name")
+    for key in ("segment_bytes", "pruned", "pruned_lrsn", "ring"):
+        if data.get(key) is not None and type(data[key]) is not int:
+            raise LogFormatError(f"{path}: malformed manifest: {key!r} must be a whole number, not {data[key]!r}")
+    for key, fields in _MANIFEST_ENTRIES.items():
+        entries = data.get(key, [])
+        if not isinstance(entries, list):
+            raise LogFormatError(f"{path}: malformed manifest: {key!r} must be a list")
+        for entry in entries:
+            bad = not isinstance(entry, dict) or [
+                f for f, ok in fields.items()
+                if f not in entry or not (type(entry[f]) is ok if isinstance(ok, type) else ok(entry[f]))]
+            if bad:
+                raise LogFormatError(f"{path}: malformed manifest: an entry of {key!r} ({entry!r}) lacks or garbles "
+                                     f"{', '.join(bad) if isinstance(bad, list) else 'everything'}")
 
 
 def write_manifest(directory: Path, data: dict[str, Any]) -> None:
