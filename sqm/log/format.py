@@ -163,6 +163,10 @@ def read_header(f: IO[bytes], path: Path, *, allow_partial: bool) -> SegmentHead
     and ``allow_partial`` (a segment being created, or a crash during creation); otherwise
     raises :class:`LogFormatError` for anything that is not a header of this format."""
     fixed = f.read(_HEADER_FIXED.size)
+    if allow_partial and fixed.count(0) == len(fixed) and _zeros_to_end(f):
+        # Nothing of its header reached the disk (an empty file, or zeros where a filesystem that zero-fills the
+        # unwritten pages of a crash left them): the crash came while the segment was being created.
+        return None
     if len(fixed) < _HEADER_FIXED.size:
         if allow_partial and MAGIC.startswith(fixed[: len(MAGIC)]):
             return None
@@ -186,6 +190,14 @@ def read_header(f: IO[bytes], path: Path, *, allow_partial: bool) -> SegmentHead
     except UnicodeDecodeError as e:
         raise LogFormatError(f"{path}: garbled member name in segment header") from e
     return SegmentHeader(version, segment, capacity, member, _HEADER_FIXED.size + name_len + _U32.size)
+
+
+def _zeros_to_end(f: IO[bytes]) -> bool:
+    """Whether the rest of f holds zero bytes only (reads it to its end)."""
+    while chunk := f.read(_READ_BUFFER):
+        if chunk.count(0) != len(chunk):
+            return False
+    return True
 
 
 def check_header(header: SegmentHeader, path: Path, segment: int, member: str | None) -> None:

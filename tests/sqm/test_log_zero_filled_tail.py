@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sqm.log import LogCorruptError, LogPosition, LogReader, RecordLog
-from sqm.log.format import segment_name
+from sqm.log.format import encode_header, segment_name
 
 FORCED = 5
 
@@ -70,3 +70,22 @@ def test_non_zero_bytes_after_a_frame_with_a_bad_crc_are_still_corruption(tmp_pa
     for read in (lambda: list(LogReader(d).records()), lambda: RecordLog(d, "QM1")):
         with pytest.raises(LogCorruptError, match=f"at byte offset {torn_at}: CRC mismatch"):
             read()
+
+
+def test_a_last_segment_whose_header_never_reached_the_disk_reads_as_empty(tmp_path: Path) -> None:
+    """A crash while a roll created the next segment, its header written but not yet fsynced: a zero-filling
+    filesystem leaves the file as zeros. Like an empty file, it is a segment whose creation the crash cut short."""
+    d = tmp_path / "QM1"
+    written = []
+    with RecordLog(d, "QM1", segment_bytes=1024) as log:
+        for i in range(30):
+            written.append(log.append_forced({"k": "PUT", "l": i, "d": b"x" * 60}))
+    nxt = d / segment_name(written[-1].segment + 1)
+    header = len(encode_header(nxt_no := written[-1].segment + 1, 1024, "QM1"))
+    nxt.write_bytes(bytes(header))  # the header's length, all zeros
+    assert [r["l"] for _, r in LogReader(d).records()] == list(range(30))
+    with RecordLog(d, "QM1", segment_bytes=1024) as log:
+        assert log.stats.torn_bytes_truncated == header
+        p = log.append_forced({"k": "PUT", "l": 99})
+    assert p.segment == nxt_no
+    assert [r["l"] for _, r in LogReader(d).records()] == [*range(30), 99]
