@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sqm.log import LogReader
-from sqm.log.format import LogFormatError
+from sqm.log import LogCorruptError, LogReader, RecordLog
+from sqm.log.format import LogFormatError, segment_name
 from tests.sqm.test_media_recovery_damage import sealed_and_copied
 
 
@@ -38,3 +38,26 @@ def test_a_deleted_segment_without_a_copy_still_fails_the_read(tmp_path: Path) -
     (tmp_path / "archive" / seg.name).unlink()
     with pytest.raises(LogFormatError):
         sum(1 for _ in LogReader(d).records())
+
+
+def test_a_reader_reads_a_damaged_checkpoint_record_from_the_archived_copy(tmp_path: Path) -> None:
+    """The last checkpoint lies in a sealed segment damaged in place (a bad sector over its frame): peer recovery's
+    LogReader.last_checkpoint reads it from the verified copy, as records() does, rather than fail."""
+    d = tmp_path / "QM1"
+    log = RecordLog(d, "QM1", segment_bytes=4096)
+    for i in range(10):
+        log.append_forced({"k": "NOTE", "l": i + 1, "x": b"p" * 100})
+    ckpt = log.checkpoint({"k": "CHECKPOINT", "l": 50, "uows": {}, "n": 10, "why": "logload"})
+    while log.end_position().segment == ckpt.segment:
+        log.append_forced({"k": "NOTE", "l": 100, "x": b"q" * 100})
+    assert ckpt.segment in log.copy_sealed(tmp_path / "archive")
+    log.close()
+    seg = d / segment_name(ckpt.segment)
+    b = bytearray(seg.read_bytes())
+    b[ckpt.offset + 12] ^= 0xFF  # inside the checkpoint's body
+    seg.write_bytes(bytes(b))
+    found = LogReader(d).last_checkpoint()
+    assert found is not None and found[0] == ckpt and found[1]["l"] == 50
+    (tmp_path / "archive" / seg.name).unlink()  # without a copy the damage is reported, as before
+    with pytest.raises(LogCorruptError, match="CRC mismatch"):
+        LogReader(d).last_checkpoint()
