@@ -134,8 +134,9 @@ def segment_name(segment: int) -> str:
     return f"seg-{segment:08d}.log"
 
 
-def list_segments(directory: Path) -> list[tuple[int, Path]]:
-    """Segment files in ``directory`` sorted by number; a gap in the numbering is a format error."""
+def list_segments(directory: Path, *, gaps: bool = False) -> list[tuple[int, Path]]:
+    """Segment files in ``directory`` sorted by number; a gap in the numbering is a format error (``gaps``: the
+    caller fills gaps from elsewhere and checks what it makes of them)."""
     found: list[tuple[int, Path]] = []
     try:
         names = os.listdir(directory)
@@ -146,10 +147,15 @@ def list_segments(directory: Path) -> list[tuple[int, Path]]:
         if m:
             found.append((int(m.group(1)), directory / name))
     found.sort()
-    for (a, _), (b, pb) in zip(found, found[1:]):
+    if not gaps:
+        _check_contiguous(directory, found)
+    return found
+
+
+def _check_contiguous(directory: Path, segs: list[tuple[int, Path]]) -> None:
+    for (a, _), (b, pb) in zip(segs, segs[1:]):
         if b != a + 1:
             raise LogFormatError(f"{directory}: segment {a + 1} is missing (next present is {pb.name})")
-    return found
 
 
 def encode_header(segment: int, capacity: int, member: str) -> bytes:
@@ -539,9 +545,11 @@ def checked_segments(directory: Path, manifest: dict[str, Any] | None, *,
     use_copies (a reader): a sealed segment with an archived copy (the manifest's "copies", sqm.log.mediacopy)
     whose active file is missing, or not of the copy's size (truncated), is read from the copy; its writer
     restores the active file from the copy when it next opens the log."""
-    found = list_segments(directory)
     copies = {int(c["segment"]): c for c in (manifest or {}).get("copies", [])
               if Path(c["path"]).is_file()} if use_copies else {}
+    # With copies, a missing sealed segment between two present ones is a gap its copy fills: the numbering is
+    # checked once the copies are in (a reader of a dead member's log must not fail on what its restart repairs).
+    found = list_segments(directory, gaps=bool(copies))
     have = {segno for segno, _ in found}
     for entry in (manifest or {}).get("segments", []):
         segno = entry.get("segment") if isinstance(entry, dict) else None
@@ -558,7 +566,9 @@ def checked_segments(directory: Path, manifest: dict[str, Any] | None, *,
         path = out.get(segno)
         if path is None or _size(path) != int(c["bytes"]):
             out[segno] = Path(c["path"])
-    return sorted(out.items())
+    merged = sorted(out.items())
+    _check_contiguous(directory, merged)
+    return merged
 
 
 def _size(path: Path) -> int:

@@ -61,3 +61,21 @@ def test_a_reader_reads_a_damaged_checkpoint_record_from_the_archived_copy(tmp_p
     (tmp_path / "archive" / seg.name).unlink()  # without a copy the damage is reported, as before
     with pytest.raises(LogCorruptError, match="CRC mismatch"):
         LogReader(d).last_checkpoint()
+
+
+def test_a_reader_reads_a_deleted_sealed_segment_between_two_others_from_its_archived_copy(tmp_path: Path) -> None:
+    """The deleted segment is neither the first nor the last: the files left have a gap in their numbering, which its
+    copy fills. Before, the listing refused the gap before it looked at the copies, so peer recovery and restore
+    failed on a log the member's own restart repairs."""
+    d = tmp_path / "QM1"
+    with RecordLog(d, "QM1", segment_bytes=4096) as log:
+        for i in range(200):
+            log.append_forced({"k": "NOTE", "l": i + 1, "x": b"p" * 100})
+        copied = log.copy_sealed(tmp_path / "archive")
+    assert len(copied) >= 3
+    (d / segment_name(copied[1])).unlink()
+    assert [r["l"] for _, r in LogReader(d).records()] == list(range(1, 201))
+    assert [s.segment for s in LogReader(d).segments()] == list(range(1, copied[-1] + 2))
+    (tmp_path / "archive" / segment_name(copied[1])).unlink()  # no copy: the gap is named, as before
+    with pytest.raises(LogFormatError, match=f"segment {copied[1]}"):
+        sum(1 for _ in LogReader(d).records())
