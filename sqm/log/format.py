@@ -134,8 +134,9 @@ def segment_name(segment: int) -> str:
     return f"seg-{segment:08d}.log"
 
 
-def list_segments(directory: Path) -> list[tuple[int, Path]]:
-    """Segment files in ``directory`` sorted by number; a gap in the numbering is a format error."""
+def list_segments(directory: Path, *, gaps: bool = False) -> list[tuple[int, Path]]:
+    """Segment files in ``directory`` sorted by number; a gap in the numbering is a format error (``gaps``: the
+    caller fills gaps from elsewhere and checks what it makes of them)."""
     found: list[tuple[int, Path]] = []
     try:
         names = os.listdir(directory)
@@ -146,10 +147,15 @@ def list_segments(directory: Path) -> list[tuple[int, Path]]:
         if m:
             found.append((int(m.group(1)), directory / name))
     found.sort()
-    for (a, _), (b, pb) in zip(found, found[1:]):
+    if not gaps:
+        _check_contiguous(directory, found)
+    return found
+
+
+def _check_contiguous(directory: Path, segs: list[tuple[int, Path]]) -> None:
+    for (a, _), (b, pb) in zip(segs, segs[1:]):
         if b != a + 1:
             raise LogFormatError(f"{directory}: segment {a + 1} is missing (next present is {pb.name})")
-    return found
 
 
 def encode_header(segment: int, capacity: int, member: str) -> bytes:
@@ -163,6 +169,10 @@ def read_header(f: IO[bytes], path: Path, *, allow_partial: bool) -> SegmentHead
     and ``allow_partial`` (a segment being created, or a crash during creation); otherwise
     raises :class:`LogFormatError` for anything that is not a header of this format."""
     fixed = f.read(_HEADER_FIXED.size)
+    if allow_partial and fixed.count(0) == len(fixed) and _zeros_to_end(f):
+        # Nothing of its header reached the disk (an empty file, or zeros where a filesystem that zero-fills the
+        # unwritten pages of a crash left them): the crash came while the segment was being created.
+        return None
     if len(fixed) < _HEADER_FIXED.size:
         if allow_partial and MAGIC.startswith(fixed[: len(MAGIC)]):
             return None
@@ -186,6 +196,14 @@ def read_header(f: IO[bytes], path: Path, *, allow_partial: bool) -> SegmentHead
     except UnicodeDecodeError as e:
         raise LogFormatError(f"{path}: garbled member name in segment header") from e
     return SegmentHeader(version, segment, capacity, member, _HEADER_FIXED.size + name_len + _U32.size)
+
+
+def _zeros_to_end(f: IO[bytes]) -> bool:
+    """Whether the rest of f holds zero bytes only (reads it to its end)."""
+    while chunk := f.read(_READ_BUFFER):
+        if chunk.count(0) != len(chunk):
+            return False
+    return True
 
 
 def check_header(header: SegmentHeader, path: Path, segment: int, member: str | None) -> None:
@@ -361,9 +379,13 @@ class SegmentScan:
                     return
                 actual = crc32c(body)
                 if actual != crc:
-                    more = f.peek(1)[:1] if hasattr(f, "peek") else b""
-                    if is_last and not more:
-                        self.torn_bytes = FRAME_HEADER_BYTES + length  # bad CRC on the final frame: torn
+                    # The final frame of the last segment with a bad CRC is torn: at the end of the file, or
+                    # followed by zero bytes only (a crash on a filesystem that leaves the unwritten pages of a
+                    # write as zeros: this frame's end and whatever followed it were never written). Forced frames
+                    # were written whole, so nothing forced is given up; anything else after it is corruption.
+                    rest = f.read() if is_last else b""
+                    if is_last and rest.count(0) == len(rest):
+                        self.torn_bytes = FRAME_HEADER_BYTES + length + len(rest)
                         return
                     raise LogCorruptError(
                         path, off, f"CRC mismatch (stored {crc:#010x}, computed {actual:#010x}, length {length})"
@@ -413,7 +435,43 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         raise LogFormatError(f"{path}: not a record log manifest")
     if data.get("version") != FORMAT_VERSION:
         raise LogFormatError(f"{path}: unsupported manifest version {data.get('version')!r}")
+    _check_manifest(path, data)
     return data
+
+
+def _is_position(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
+
+
+#: What each list of the manifest holds: every field its readers take for granted, with its test.
+_MANIFEST_ENTRIES: dict[str, dict[str, Any]] = {
+    "segments": {"segment": int, "end": _is_position},
+    "archived": {"segment": int, "end": _is_position, "path": str},
+    "copies": {"segment": int, "path": str, "bytes": int, "sha256": str},
+    "checkpoints": {"position": _is_position, "lrsn": int},
+}
+
+
+def _check_manifest(path: Path, data: dict[str, Any]) -> None:
+    """A manifest that parses but is not of this format's shape (edited by hand, or damaged into other valid JSON)
+    is a LogFormatError naming the file and the field, before any reader or the writer trusts a field of it:
+    otherwise a KeyError or a TypeError deep in a reader would be all the operator sees."""
+    if not isinstance(data["member"], str) or not data["member"]:
+        raise LogFormatError(f"{path}: malformed manifest: 'member' must be a member name")
+    for key in ("segment_bytes", "pruned", "pruned_lrsn", "ring"):
+        if data.get(key) is not None and type(data[key]) is not int:
+            raise LogFormatError(f"{path}: malformed manifest: {key!r} must be a whole number, not {data[key]!r}")
+    for key, fields in _MANIFEST_ENTRIES.items():
+        entries = data.get(key, [])
+        if not isinstance(entries, list):
+            raise LogFormatError(f"{path}: malformed manifest: {key!r} must be a list")
+        for entry in entries:
+            bad = not isinstance(entry, dict) or [
+                f for f, ok in fields.items()
+                if f not in entry or not (type(entry[f]) is ok if isinstance(ok, type) else ok(entry[f]))]
+            if bad:
+                raise LogFormatError(f"{path}: malformed manifest: an entry of {key!r} ({entry!r}) lacks or garbles "
+                                     f"{', '.join(bad) if isinstance(bad, list) else 'everything'}")
 
 
 def write_manifest(directory: Path, data: dict[str, Any]) -> None:
@@ -438,8 +496,13 @@ def log_segments(directory: Path, manifest: dict[str, Any] | None) -> list[tuple
     """Every segment of the log, oldest first: the archived ones (read where the archive keeps them) and then the
     active ones (checked_segments). A segment both archived and still in the active log (an archive interrupted
     before it removed the active file) is read from the active log. Segments below the manifest's "pruned" mark
-    were removed on purpose (sqm log prune: no recovery needed them); any other gap is a format error."""
-    active = checked_segments(directory, manifest, use_copies=True)
+    were removed on purpose (sqm log prune: no recovery needed them); any other gap is a format error. A file still
+    there below that mark is one whose removal was interrupted (a prune killed after its manifest, or a circular
+    ring's reuse killed before its rename: a file emptied, or holding the next segment's header under its old
+    name): it is not part of the log, and its writer removes it when it next opens the log. A reader that read it
+    would fail on it (a peer recovering the dead member, a restore, the printer) or read records the log gave up."""
+    pruned = int((manifest or {}).get("pruned", 0))
+    active = [(n, p) for n, p in checked_segments(directory, manifest, use_copies=True) if n >= pruned]
     have = {segno for segno, _ in active}
     out: list[tuple[int, Path]] = []
     for info in archived_segments(manifest):
@@ -482,9 +545,11 @@ def checked_segments(directory: Path, manifest: dict[str, Any] | None, *,
     use_copies (a reader): a sealed segment with an archived copy (the manifest's "copies", sqm.log.mediacopy)
     whose active file is missing, or not of the copy's size (truncated), is read from the copy; its writer
     restores the active file from the copy when it next opens the log."""
-    found = list_segments(directory)
     copies = {int(c["segment"]): c for c in (manifest or {}).get("copies", [])
               if Path(c["path"]).is_file()} if use_copies else {}
+    # With copies, a missing sealed segment between two present ones is a gap its copy fills: the numbering is
+    # checked once the copies are in (a reader of a dead member's log must not fail on what its restart repairs).
+    found = list_segments(directory, gaps=bool(copies))
     have = {segno for segno, _ in found}
     for entry in (manifest or {}).get("segments", []):
         segno = entry.get("segment") if isinstance(entry, dict) else None
@@ -501,7 +566,9 @@ def checked_segments(directory: Path, manifest: dict[str, Any] | None, *,
         path = out.get(segno)
         if path is None or _size(path) != int(c["bytes"]):
             out[segno] = Path(c["path"])
-    return sorted(out.items())
+    merged = sorted(out.items())
+    _check_contiguous(directory, merged)
+    return merged
 
 
 def _size(path: Path) -> int:

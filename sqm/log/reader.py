@@ -133,13 +133,22 @@ class LogReader:
 
     def last_checkpoint(self) -> tuple[LogPosition, dict[str, Any]] | None:
         """The latest checkpoint recorded in the manifest, with its record read from the log."""
-        cps = manifest_checkpoints(read_manifest(self.directory))
+        manifest = read_manifest(self.directory)
+        cps = manifest_checkpoints(manifest)
         if not cps:
             return None
         pos = cps[-1][0]
-        path = dict(log_segments(self.directory, read_manifest(self.directory))).get(
-            pos.segment, self.directory / segment_name(pos.segment))
-        return pos, read_record_at(path, pos.segment, self.member, pos.offset)
+        segs = log_segments(self.directory, manifest)
+        path = dict(segs).get(pos.segment, self.directory / segment_name(pos.segment))
+        try:
+            return pos, read_record_at(path, pos.segment, self.member, pos.offset)
+        except (LogCorruptError, LogFormatError):
+            # A sealed segment damaged in place is read from its verified archived copy, as records() reads it
+            # (peer recovery reads the dead member's checkpoint here, before its restart would repair the segment).
+            copy = None if segs and pos.segment == segs[-1][0] else good_copy(manifest, pos.segment)
+            if copy is None or copy == path:
+                raise
+            return pos, read_record_at(copy, pos.segment, self.member, pos.offset)
 
     def checkpoints(self) -> list[tuple[LogPosition, int]]:
         """(position, lrsn) of the checkpoints remembered in the manifest, oldest first."""

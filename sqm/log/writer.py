@@ -22,6 +22,7 @@ from sqm.log.format import (
     FRAME_HEADER_BYTES,
     LOCK_NAME,
     MAX_RECORD_BYTES,
+    LogCorruptError,
     LogFormatError,
     LogLockedError,
     LogPosition,
@@ -267,6 +268,7 @@ class RecordLog:
             self._sealed.append(info)
         segno, path = segs[-1]
         scan = SegmentScan(path, segno, self.member, is_last=True).run()
+        self._refuse_forced_tail(path, segno, scan.end_offset)
         if scan.header is None:
             # Crash while the segment was being created: rewrite its header.
             self.stats.torn_bytes_truncated += path.stat().st_size
@@ -304,6 +306,18 @@ class RecordLog:
         self.stats.segments = len(segs)
         with self._lock:
             self._write_manifest_locked()
+
+    def _refuse_forced_tail(self, path: Path, segno: int, end: int) -> None:
+        """What the scan of the last segment took for a torn tail (from `end` on) must hold nothing that was forced:
+        a checkpoint the manifest lists there was forced before the manifest named it, so damage there (a bit flipped
+        in its length, its bytes zeroed) is corruption of forced records, not a crash's torn write. LogCorruptError,
+        and nothing is truncated: truncating would destroy the damaged records, and the restart would then fail
+        reading the checkpoint without saying why."""
+        forced = [p.offset for p, _ in self._checkpoints if p.segment == segno and p.offset >= end]
+        if forced:
+            raise LogCorruptError(path, end, f"the frames end here, but the manifest lists a checkpoint record "
+                                             f"forced at byte offset {max(forced)}: records that were forced are "
+                                             "damaged, not torn (nothing truncated)")
 
     def _create_segment(self, segno: int) -> int:
         path = self.directory / segment_name(segno)
@@ -367,6 +381,7 @@ class RecordLog:
             todo = [i for i in self._sealed if i.segment < below]
         if not todo:
             return []
+        self._refuse_own_directory(archive_dir)
         private_dir(archive_dir)  # segments hold message bodies: 0700 (each file 0600)
         done = []
         for info in todo:
@@ -398,6 +413,7 @@ class RecordLog:
             todo = [i for i in self._sealed if i.segment not in have]
         if not todo:
             return []
+        self._refuse_own_directory(archive_dir)
         private_dir(archive_dir)
         done = []
         for info in todo:
@@ -411,6 +427,19 @@ class RecordLog:
                 self._write_manifest_locked()
             done.append(info.segment)
         return done
+
+    def _refuse_own_directory(self, archive_dir: Path) -> None:
+        """An archive directory must not be the log directory itself (an archive root set to the log root makes
+        ROOT/<member> the member's own log): each segment's "copy" would be its active file, and archiving would then
+        remove the only file the manifest lists it in, leaving a log that every reader refuses (its archived segment
+        missing). LogFormatError, before anything is copied or removed."""
+        try:
+            same = archive_dir.exists() and os.path.samefile(archive_dir, self.directory)
+        except OSError:
+            same = False
+        if same or archive_dir.resolve() == self.directory.resolve():
+            raise LogFormatError(f"{archive_dir}: the archive directory of {self.member}'s log is the log directory "
+                                 "itself: archive to another directory (--log-archive-dir is a root: ROOT/<member>)")
 
     def prune(self, below: int) -> list[int]:
         """Remove every segment numbered below `below` for good, active or archived (the caller checked that no
