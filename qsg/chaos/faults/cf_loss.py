@@ -29,6 +29,7 @@ from qsg.chaos.bodies import parse_body
 from qsg.chaos.faults.heal import peer_recovery, restart
 from qsg.chaos.faults.kind import DUPLEX, Draw, FaultError, FaultKind, FaultSpec, Step, register
 from qsg.chaos.faults.restores import (
+    HeldInThread,
     UowAcrossRestore,
     backup_structure,
     ensure_backups,
@@ -271,28 +272,13 @@ def restore_race(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     finally:
         client.close()
     step(f"{structure} marked failed", live_order=live)
-    held, release = threading.Event(), threading.Event()
     hold_at = READ_BACKUP if where == "plan" else LOAD
-
-    def hold(phase: str, done: int, total: int | None) -> None:
-        if phase == hold_at and not held.is_set():
-            held.set()
-            release.wait(120)
-
-    first: dict[str, Any] = {}
-
-    def run_first() -> None:
-        try:
-            first["result"] = restore_structure(g, structure, step, hold)
-        except Exception as e:  # judged below
-            first["error"] = e
-
-    thread = threading.Thread(target=run_first, name="restore-race-first", daemon=True)
-    thread.start()
+    first = HeldInThread("restore-race-first", lambda hold: restore_structure(
+        g, structure, step, lambda phase, done, total: hold() if phase == hold_at else None))
     out: dict[str, Any] = {"structure": structure, "where": where}
     try:
-        if not held.wait(60):
-            raise FaultError(f"the first restore of {structure} never reached its {where}: {first}")
+        if not first.held.wait(60):
+            raise FaultError(f"the first restore of {structure} never reached its {where}: {first.outcome()}")
         step(f"first restore held in its {where}")
         out["commit_while_held"] = across.commit()
         step(f"{across.name}: its commit while the first restore is held answered {out['commit_while_held']}")
@@ -303,11 +289,9 @@ def restore_race(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
             out["second"] = f"refused: {str(e)[:160]}"
         time.sleep(f.hold)  # clients work on the structure, if the second restore made it ACTIVE
     finally:
-        release.set()
-        thread.join(120)
+        first.release()
         across.close()
-    out["first"] = "ok" if "result" in first else f"{type(first.get('error')).__name__}: " \
-                                                     f"{str(first.get('error'))[:160]}"
+    out["first"] = first.outcome()
     step("restored order read", restored_order=order_snapshot(g))
     step("heal")
     if (out["first"] == "ok") == (out["second"] == "ok"):
@@ -351,38 +335,23 @@ def backup_under_restore(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, A
     checker's `lost`)."""
     structure, at_step = str(f.params.get("structure", "APP1")), int(f.params.get("step", 3))
     ensure_backups(g)
-    held, release, killed = threading.Event(), threading.Event(), threading.Event()
-
-    def on_step(n: int, state: str) -> None:
-        if n == at_step and not held.is_set():
-            held.set()
-            release.wait(120)
-
-    backed: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            backed["manifest"] = backup_structure(g, structure, on_step)
-        except Exception as e:  # judged below: with the restore's claim it must not end ok
-            backed["error"] = e
-
-    thread = threading.Thread(target=run, name="backup-under-restore", daemon=True)
-    thread.start()
+    killed = threading.Event()
+    # With the restore's claim it must not end ok (judged below).
+    backup = HeldInThread("backup-under-restore", lambda hold: backup_structure(
+        g, structure, lambda n, state: hold() if n == at_step else None))
     out: dict[str, Any] = {"structure": structure, "step": at_step}
 
     def at_load(phase: str, done: int, total: int | None) -> None:
         if phase == LOAD and not killed.is_set():
             killed.set()
-            release.set()
-            thread.join(120)
-            step(f"the backup of {structure} ended across the restore's claim: "
-                 f"{backed['manifest']['id'] if 'manifest' in backed else backed.get('error')}")
+            backup.release()
+            step(f"the backup of {structure} ended across the restore's claim: {backup.outcome('ok')}")
             g.c.kill_cf()
             step("CF killed during the restore's load")
 
     try:
-        if not held.wait(60):
-            raise FaultError(f"the backup of {structure} never reached its step {at_step}: {backed}")
+        if not backup.held.wait(60):
+            raise FaultError(f"the backup of {structure} never reached its step {at_step}: {backup.outcome()}")
         step(f"backup of {structure} held at its step {at_step}", live_order=order_snapshot(g))
         try:
             restore_structure(g, structure, step, at_load, mark_failed=True)
@@ -394,17 +363,15 @@ def backup_under_restore(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, A
                 raise FaultError(f"the restore of {structure} failed before its load: {type(e).__name__}: {e}") from e
             out["first_restore"] = f"{type(e).__name__}: {str(e)[:160]}"
     finally:
-        release.set()
-        thread.join(120)
-    out["backup"] = backed["manifest"]["id"] if "manifest" in backed else \
-        f"{type(backed.get('error')).__name__}: {str(backed.get('error'))[:160]}"
+        backup.release()
+    out["backup"] = backup.result["id"] if backup.finished else backup.outcome()
     g.c.restart_cf()
     step("CF restarted empty")
     out.update(restore_all(g, step))
     step("restored order read", restored_order=order_snapshot(g))
     step("heal")
-    if "manifest" in backed:
-        raise FaultError(f"backup {backed['manifest']['id']} of {structure} ended ok across a restore's claim: it "
+    if backup.finished:
+        raise FaultError(f"backup {backup.result['id']} of {structure} ended ok across a restore's claim: it "
                          "copied what the restore's wipe left")
     return out
 

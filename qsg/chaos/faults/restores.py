@@ -98,6 +98,39 @@ RESTORE_ENGINES: tuple[dict[str, int], ...] = ({}, {"workers": 1}, {"memory": 25
                                                {"memory": 64 << 10, "workers": 3})
 
 
+class HeldInThread:
+    """A step (a restore, a backup) run in a thread of its own and held where it calls `hold` (once: its first
+    call), until `release`; what it returned, or what it raised, for the fault to judge. `hold` is handed to `run`."""
+
+    def __init__(self, name: str, run: Callable[[Callable[[], None]], Any]) -> None:
+        self.held, self._released = threading.Event(), threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.finished = False  # run returned
+        self.thread = threading.Thread(target=self._run, args=(run,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, run: Callable[[Callable[[], None]], Any]) -> None:
+        try:
+            self.result = run(self.hold)
+            self.finished = True
+        except Exception as e:  # judged by the fault
+            self.error = e
+
+    def hold(self) -> None:
+        if not self.held.is_set():
+            self.held.set()
+            self._released.wait(120)
+
+    def release(self) -> None:
+        """Let it go on, and wait for its end."""
+        self._released.set()
+        self.thread.join(120)
+
+    def outcome(self, ok: str = "ok") -> str:
+        return ok if self.finished else f"{type(self.error).__name__}: {str(self.error)[:160]}"
+
+
 def restore_engine(seed: int, restore: int) -> dict[str, int]:
     """The engine options of a run's restore number `restore` (the same for a seed run again)."""
     return dict(random.Random(f"restore-{seed}-{restore}").choice(RESTORE_ENGINES))
@@ -295,6 +328,6 @@ def live_work(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return restarted
 
 
-__all__ = ["ORDER_LIMIT", "RESTORE_ENGINES", "UowAcrossRestore", "backup_structure", "ensure_backups",
+__all__ = ["ORDER_LIMIT", "RESTORE_ENGINES", "HeldInThread", "UowAcrossRestore", "backup_structure", "ensure_backups",
            "failed_structures", "live_work",
            "lose_cf", "order_snapshot", "restore_all", "restore_engine", "restore_structure", "structure_state"]
