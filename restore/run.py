@@ -243,16 +243,6 @@ class _AsPlanned:
         return iter(self.base.copies())
 
 
-def earlier_generations(backup_root: Path, structure: str, seen: bulk.Seen,
-                        backup_keys: BackupKeys | None = None) -> int:
-    """The highest generation the structure has had: every restore and purge writes one as a restore point
-    before the structure is usable (a fuzzy backup records the generation it was taken in), and the CF's own
-    when it still holds the structure."""
-    return max([seen.gen, *(int(b.manifest.get("gen", 0) or 0)
-                            for b in list_backups(backup_root, structure, backup_keys=backup_keys)
-                            if b.state == OK and b.manifest)])
-
-
 def open_backup(backup_root: Path, structure: str, backup_id: str | None, group: str | None,
                 repo: GroupRepository | None = None, backup_keys: BackupKeys | None = None) -> Backup | DefinitionBase:
     """The named backup, or the latest good one of the structure (restore and purge points included: a later
@@ -785,11 +775,12 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
-    # Above the structure's earlier generations and every LRSN its backups record (history_lrsn): the restore's
-    # LRSN (its generation, its point's LRSN) above a backup newer than a base named with --backup, or its point
-    # sorts before that backup, from which the next restore would start, crossing this one.
-    as_planned = _AsPlanned(backup, max(earlier_generations(backup_root, structure, seen, backup_keys),
-                                        history_lrsn(backup_root, structure, backup_keys)))
+    # Above every generation the structure has had (the CF's own, when it still holds the structure; every restore
+    # and purge writes one as a restore point, and a fuzzy backup records the one it was taken in) and every LRSN its
+    # backups record (history_lrsn, which reads those generations too): the restore's LRSN (its generation, its
+    # point's LRSN) above a backup newer than a base named with --backup, or its point sorts before that backup,
+    # from which the next restore would start, crossing this one.
+    as_planned = _AsPlanned(backup, max(seen.gen, history_lrsn(backup_root, structure, backup_keys)))
 
     plans: list[RestorePlan] = []  # closed at the end, whatever happens (a partitioned plan's spill files)
 
@@ -1046,7 +1037,9 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
         refuse_others_writing(directory)
     admin = Admin(client)
     repo = GroupRepository(log_root)
-    points_seen = finished_points(backup_root, structure, backup_keys)  # before the structure is seen: as restore's
+    # The finished points before the purge's own look at the structure (a caller's `seen`, a start mode's, is older:
+    # a point written between the two is left to the claim's comparison)
+    points_seen = finished_points(backup_root, structure, backup_keys)
     seen = seen if seen is not None else bulk.observe(client, structure)  # what the purge's claim compares against
     sdef, queues, lost = _definitions_without_backup(
         admin, repo, structure, " (a purge keeps a definition; restore it from a backup instead)")

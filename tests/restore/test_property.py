@@ -1041,7 +1041,7 @@ def test_a_uow_open_across_two_restores_from_one_backup_cannot_commit_what_they_
     lost and its commit refused. (Nothing new was read, so the generation used to be the same: QM2's commit
     succeeded, COMMIT forced, with m1 nowhere; the restore point, below its base's LRSNs, even sorted before it.
     Now a restore's LRSN lies above its base's and every earlier generation: restore.plan.base_lrsn,
-    restore.run.earlier_generations.)"""
+    restore.run.history_lrsn.)"""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=QUEUES)
     qm1, qm2 = _one_member_ahead(redis_url, logs)
