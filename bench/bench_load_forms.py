@@ -19,9 +19,12 @@ reads the CF's CPU seconds (INFO cpu, used_cpu_sys + used_cpu_user) before and a
   * lua_sets: the index sets by one script call a batch (a SADD each), in MULTI/EXEC.
 
 Each round runs every form once, each on a CF of its own; the table gives each form's median CF CPU and its ratio
-to raw's. Entries: ids of 16 characters, a descriptor as a restore writes it, 1 KiB of data, 4 queues.
+to raw's. Entries: ids of 16 characters, a descriptor as a restore writes it, 1 KiB of data (--body), 4 queues.
+The CF's server starts with the environment's GLIBC_TUNABLES, or cfemu.server_env's tcache setting where it names
+none: GLIBC_TUNABLES=glibc.malloc.tcache_count=7 (glibc's default) measures the server without it.
 
-    .venv/bin/python bench/bench_load_forms.py [--quick] [--entries 200000] [--rounds 3] [--forms raw,load] [--json]
+    .venv/bin/python bench/bench_load_forms.py [--quick] [--entries 200000] [--rounds 3] [--body 1024] [--forms raw,load]
+                                             [--json]
 """
 
 from __future__ import annotations
@@ -58,10 +61,10 @@ SET_LISTPACK = 20  # the RDB type of a set held as a listpack
 class Entry:
     __slots__ = ("id", "entry", "data")
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, body: int = 1024) -> None:
         self.id = f"{k:016x}"
         self.entry: dict[str, Any] = {"id": self.id, "q": f"Q{k % 4}", "st": "CP", "p": 0, "mid": f"{k:024x}", "l": k + 1}
-        self.data = os.urandom(8) * 128
+        self.data = (os.urandom(8) * (body // 8 + 1))[:body]
 
 
 def _crc_table() -> list[int]:
@@ -255,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="20k entries, one round")
     ap.add_argument("--entries", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--body", type=int, default=1024, help="bytes of data a message (the restore benchmark's 10M: 64)")
     ap.add_argument("--forms", default=",".join(FORMS), help=f"of {', '.join(FORMS)}")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
@@ -263,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in FORMS]
     if unknown:
         ap.error(f"unknown form(s): {', '.join(unknown)} (known: {', '.join(FORMS)})")
-    batches = [Batch([Entry(k) for k in range(a, min(entries, a + BATCH))]) for a in range(0, entries, BATCH)]
+    batches = [Batch([Entry(k, args.body) for k in range(a, min(entries, a + BATCH))])
+               for a in range(0, entries, BATCH)]
     load0 = os.getloadavg()[0]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for _ in range(rounds):
@@ -272,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     medians = {n: statistics.median(r["cf_cpu_s"] for r in runs[n]) for n in names}
     base = medians.get("raw")
     out = {"at": datetime.now(UTC).isoformat(timespec="seconds"), "entries": entries, "rounds": rounds,
+           "body": args.body, "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
            "load_avg": [round(load0, 1), round(os.getloadavg()[0], 1)], "runs": runs, "median_cf_cpu_s": medians,
            "over_raw": {n: round(m / base, 3) for n, m in medians.items()} if base else {}}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
