@@ -61,7 +61,7 @@ from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection
 from sqm.core.member import Member
 from sqm.core.packed_body import PackedBody
-from sqm.core.pclock import pseudo_clock
+from sqm.core.pclock import member_epochs, pseudo_clock
 from sqm.pubsub.publication_bounds import DraftBudget, check_fits
 from sqm.request_slots import nap
 
@@ -339,8 +339,10 @@ def _put_listed(conn: Connection, t: Topic, s: Subscription) -> None:
 def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = None, user: str = "",
               token: str = "") -> Subscription:
     """SUBSCRIBE: a new subscription whose position is the structure's clock now, or below an open publication
-    (structure_clock: it receives the publications committed after it, and those that commit after it), or the subscription already there (a user subscribes once: docs/pubsub.md). ``durable``: None
-    for the topic's characteristic (durable when the topic allows it). ``user``, ``token``: its owner."""
+    (structure_clock: it receives the publications committed after it, and those that commit after it), or the
+    subscription already there (a user subscribes once: docs/pubsub.md) unless that one has ended (ended_by: it is
+    replaced by the new one). ``durable``: None for the topic's characteristic (durable when the topic allows it).
+    ``user``, ``token``: its owner."""
     t = topic(qm, topic_name)
     _check_name(name)
     want = t.attributes.durable if durable is None else bool(durable)
@@ -350,21 +352,43 @@ def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = 
     old = peek_subscription(qm, t, name, user=user, token=token)
     if old is None and adopt_unsealed(qm, t, name, user, clear, token):
         old = peek_subscription(qm, t, name, user=user, token=token)
-    if old is not None:
+    pc = pseudo_clock(qm, t.structure)
+    ended = old is not None and bool(ended_by(t, old, member_epochs(qm), pc))
+    if old is not None and not ended:
         if old.durable != want:
             raise BadRequestError(f"subscription {name} of topic {t.name} exists and is "
                                   f"{'durable' if old.durable else 'not durable'}: unsubscribe it first")
         return old
-    pc = pseudo_clock(qm, t.structure)
     s = Subscription(t.name, name, want, structure_clock(qm, t), AFTER_ALL, pc, pc, incarnation(qm), 0, user, token)
     conn = qm.connect()
     try:
+        if old is not None:  # ended: the sweeper would drop it; the new one takes its place in the same unit of work
+            try:
+                gone: Subscription | None = take_subscription(conn, t, name, user=user, token=token)
+            except UnknownObjectError:
+                gone = None  # the sweeper removed it meanwhile
+            if gone is not None and not ended_by(t, gone, member_epochs(qm), pc):
+                conn.backout()  # used meanwhile (a receive committed): it lives, and is the subscription
+                return subscribe(qm, topic_name, name, durable=durable, user=user, token=clear)
+            take_roster(conn, t, old.sid)
         _put_listed(conn, t, s)
         conn.commit()
     except BaseException:
         conn.backout()
         raise
     return _merge_raced(qm, t, s)
+
+
+def ended_by(t: Topic, s: Subscription, epochs: dict[str, int], pc: int) -> str:
+    """Why the subscription has ended though its entry is still there ("" when it has not): a non-durable one whose
+    home member incarnation is gone (it lives as long as the member it was made through), or one idle past the
+    topic's SUBSCRIPTION-EXPIRATION at pseudo-clock ``pc``. The sweeper removes such a one, and a subscribe of its
+    name makes a new one in its place rather than hand back one the next sweep drops."""
+    if not s.durable and s.home_gone(epochs):
+        return "non-durable-dropped"
+    if s.active_pc + t.attributes.subscription_expiration_s * 1000 <= pc:
+        return "subscriptions-expired"
+    return ""
 
 
 def _merge_raced(qm: Member, t: Topic, s: Subscription) -> Subscription:
@@ -614,4 +638,4 @@ def publish(qm: Member, topic_name: str, bodies: list[bytes]) -> str:
 __all__ = ["Topic", "topic", "topics", "Subscription", "Publication", "PubSubSession", "subscribe", "unsubscribe",
            "subscriptions", "peek_subscription", "publish", "subscription_id", "structure_clock", "next_publication",
            "next_publication_head", "take_subscription", "take_all", "take_roster", "put_subscription", "roster",
-           "roster_id", "scan_entries", "peek_entries", "merged", "adopt_unsealed"]
+           "roster_id", "scan_entries", "peek_entries", "merged", "adopt_unsealed", "ended_by", "incarnation"]

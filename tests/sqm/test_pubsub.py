@@ -223,3 +223,40 @@ def test_a_subscriber_that_polls_an_idle_topic_does_not_expire(qms: tuple[QueueM
         sweeper.sweep()
         time.sleep(0.1)
     assert [s.name for s in ps.subscriptions(a, ps.topic(a, "POLL"))] == ["poller"]
+
+
+def test_a_subscribe_after_its_member_restarted_makes_a_live_non_durable_subscription(
+        qms: tuple[QueueManager, QueueManager], redis_url: str, tmp_path: Path) -> None:
+    # A non-durable subscription ends with its member's incarnation: the application's subscribe once the member is
+    # back must give it one that lives, not hand back the ended one for the next sweep to drop.
+    a, b = qms
+    ps.subscribe(b, NONDUR, "temp")
+    b.stop()
+    b2 = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
+    try:
+        s = ps.subscribe(b2, NONDUR, "temp")
+        assert s.home == ps.incarnation(b2)
+        ps.publish(a, NONDUR, [b"after"])
+        PubSubSweeper(a).sweep()
+        session = ps.PubSubSession(b2)
+        assert session.receive(NONDUR, "temp").messages == [b"after"]
+        session.commit()
+    finally:
+        b2.stop()
+
+
+def test_a_subscribe_of_an_expired_subscription_makes_a_new_one(qms: tuple[QueueManager, QueueManager]) -> None:
+    # A subscription idle past SUBSCRIPTION-EXPIRATION has ended: a subscribe of its name starts a new one (after
+    # everything committed so far), not the ended one, which the next sweep would drop.
+    a, b = qms
+    ps.subscribe(a, SHORT, "late")
+    ps.publish(a, SHORT, [b"while idle"])
+    time.sleep(3.5)
+    s = ps.subscribe(b, SHORT, "late")
+    ps.publish(a, SHORT, [b"after"])
+    PubSubSweeper(a).sweep()
+    assert [x.name for x in ps.subscriptions(a, ps.topic(a, SHORT))] == ["late"]
+    session = ps.PubSubSession(b)
+    assert drain(session, SHORT, "late") == [[b"after"]]
+    session.commit()
+    assert s.active_pc >= pseudo_clock(a, S) - 1000
