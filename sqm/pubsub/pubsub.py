@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,6 +51,7 @@ from cfemu.errors import (
     NoMessageError,
     PstoreUnavailableError,
     ResourceProblemError,
+    TruncatedMessageError,
     UnknownObjectError,
 )
 from cfemu.pstore import WARM
@@ -531,11 +532,13 @@ class PubSubSession:
                            properties={"pub.index": i, "pub.count": n, "pub.created": pc})
 
     # --- subscribe ----------------------------------------------------------------------------------------------
-    def receive(self, topic_name: str, name: str, *, wait_ms: int = 0, user: str = "",
-                token: str = "") -> Publication:
+    def receive(self, topic_name: str, name: str, *, wait_ms: int = 0, user: str = "", token: str = "",
+                room: Callable[[int], int] | None = None) -> Publication:
         """The next publication for the subscription of ``user`` and ``token``, whole (NoMessageError: none within
         ``wait_ms``). Its entry stays taken by this session until COMMIT (the position advances) or BACKOUT (it is
-        received again)."""
+        received again). ``room``: the data bytes the caller's reply carries for a number of messages; a
+        publication larger than that is not received (TruncatedMessageError, the position left where it was), as a
+        get that cannot be carried takes nothing: a COMMIT of the session's other work must not pass it."""
         t = topic(self.qm, topic_name)
         token, clear = logon_token.seal(self.qm, user, token), token
         key = (t.name, subscription_id(t.name, _check_name(name), user, token).hex())
@@ -561,6 +564,12 @@ class PubSubSession:
         while True:
             nxt = next_publication(self.qm, t, h.position)
             if nxt.state == "P":
+                size = sum(len(data) for _, data in nxt.messages)
+                if room is not None and size > room(len(nxt.messages)):
+                    self._give_back_idle()
+                    raise TruncatedMessageError(
+                        f"publication {nxt.pub} of topic {t.name} ({size} bytes in {len(nxt.messages)} messages) "
+                        f"does not fit a reply of {room(len(nxt.messages))} bytes: not received")
                 h.position = (nxt.lrsn, nxt.pub)
                 h.received += 1
                 props = nxt.messages[0][0].properties
@@ -571,7 +580,7 @@ class PubSubSession:
             nap(POLL_S)
         if self.scope.gone.is_set():
             raise ClientGoneError("the client left while its receive waited")
-        if not any(x.received for x in self.held.values()) and self.draft is None:
+        if self._holds_nothing():
             # It took nothing: give the entry back, so that another session (on any member) may receive for the
             # subscription. A subscriber that polls an idle topic is active: its activity is recorded when half its
             # SUBSCRIPTION-EXPIRATION has passed, so that it does not expire while it polls.
@@ -580,6 +589,15 @@ class PubSubSession:
             else:
                 self.backout()
         raise NoMessageError(f"no publication for subscription {name} of topic {t.name}")
+
+    def _holds_nothing(self) -> bool:
+        """Whether the session has received nothing and publishes nothing: what it holds are entries it only took."""
+        return not any(x.received for x in self.held.values()) and self.draft is None
+
+    def _give_back_idle(self) -> None:
+        """Give back the entries taken when the session holds nothing else (another session may receive for them)."""
+        if self._holds_nothing():
+            self.backout()
 
     # --- syncpoint ----------------------------------------------------------------------------------------------
     def commit(self) -> dict[str, Any]:
