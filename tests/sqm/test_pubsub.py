@@ -260,3 +260,20 @@ def test_a_subscribe_of_an_expired_subscription_makes_a_new_one(qms: tuple[Queue
     assert drain(session, SHORT, "late") == [[b"after"]]
     session.commit()
     assert s.active_pc >= pseudo_clock(a, S) - 1000
+
+
+def test_a_topic_is_not_defined_over_a_queue_that_has_its_companion_name(
+        qms: tuple[QueueManager, QueueManager], redis_url: str) -> None:
+    # A plain queue may end in .PUB or .SUB: a topic defined over it would take its messages for publications (the
+    # sweeper removes them as received), close it to its applications and change its attributes.
+    a, _ = qms
+    admin = Admin(connect(redis_url))
+    admin.define_queue("ORDERS.PUB", S)
+    conn = a.connect()
+    conn.put("ORDERS.PUB", b"order 1", syncpoint=True)
+    conn.commit()
+    with pytest.raises(AdminError, match="ORDERS.PUB is already defined"):
+        admin.define_queue("ORDERS", S, topic={})
+    PubSubSweeper(a).sweep()
+    assert conn.get("ORDERS.PUB", syncpoint=False).body == b"order 1"
+    admin.define_queue(T, S, topic={"lifetime_s": 60}, replace=True)  # a topic's own companions: redefined with it
