@@ -17,10 +17,11 @@ import argparse
 from typing import Any
 
 from cfemu import repository
-from cfemu.cf import CF
+from cfemu.cf import CF, Structure
 from cfemu.clitools import CLIError, Output, add_settings_arguments, settings
 from cfemu.topic_attributes import SUB_SUFFIX, publication_queue, subscription_queue
 from qsg.cli_common import FIRST_CONNECT_S, Parser, admin_client, run_verb
+from sqm.pubsub.pubsub import SUB_LETTER
 from sqm.service.client import Client
 
 SUB_FIELDS = ("name", "durable", "position_lrsn", "position_pub", "received", "subscribed_pc", "active_pc", "home")
@@ -33,6 +34,18 @@ def _client(args: argparse.Namespace) -> Client:
     found = settings(args)
     return Client(args.server, token=found.token, role=found.token_role, client_name="cfemu",
                   first_connect_timeout=FIRST_CONNECT_S)
+
+
+def _subscriptions(s: Structure, topic: str) -> int:
+    """The topic's subscriptions, every one (their entries' descriptors, a bounded batch per CF call): what an
+    operator watches is counted, never its data read, however many there are."""
+    ids: set[str] = set()
+    cursor = "0"
+    while True:
+        cursor, found = s.peek_scan(subscription_queue(topic), "c", SUB_LETTER.hex(), cursor, 500, heads=True)
+        ids.update(entry.msgid for entry, _ in found)
+        if cursor == "0":
+            return len(ids)
 
 
 def cmd_topic(args: argparse.Namespace, out: Output) -> int:
@@ -54,6 +67,7 @@ def cmd_topic(args: argparse.Namespace, out: Output) -> int:
             return 0
         cf = CF(admin.redis)
         rows = []
+        depths: dict[str, dict[str, dict[str, int]]] = {}  # per structure, read once
         for q in admin.queues():
             if not q.topic:
                 continue
@@ -61,8 +75,8 @@ def cmd_topic(args: argparse.Namespace, out: Output) -> int:
             state = admin.state(q.structure)
             subs = msgs = None
             if state == "ACTIVE":
-                subs = len(s.peek(subscription_queue(q.name), "c", b"S".hex(), 10_000))
-                msgs = len(s.browse(publication_queue(q.name), 100_000, 0))
+                subs = _subscriptions(s, q.name)
+                msgs = depths.setdefault(q.structure, s.depths()).get(publication_queue(q.name), {}).get("CP", 0)
             rows.append({"topic": q.name, "structure": q.structure, **q.topic, "subscriptions": subs,
                          "publication_messages": msgs, "state": state})
     if args.json:
