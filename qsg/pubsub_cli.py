@@ -5,6 +5,7 @@
   cfemu topic list
   cfemu sub add TOPIC NAME [--durable | --no-durable] --server HOST:PORT
   cfemu sub remove TOPIC NAME --server HOST:PORT
+  cfemu sub remove TOPIC --id ID --server HOST:PORT    any owner's, by the id `sub list` shows (an operator's)
   cfemu sub list TOPIC --server HOST:PORT
   cfemu publish TOPIC MESSAGE... --server HOST:PORT      one publication of the messages, committed
 
@@ -24,7 +25,8 @@ from qsg.cli_common import FIRST_CONNECT_S, Parser, admin_client, run_verb
 from sqm.pubsub.pubsub import SUB_LETTER
 from sqm.service.client import Client
 
-SUB_FIELDS = ("name", "durable", "position_lrsn", "position_pub", "received", "subscribed_pc", "active_pc", "home")
+SUB_FIELDS = ("name", "user", "durable", "position_lrsn", "position_pub", "received", "subscribed_pc", "active_pc",
+              "home", "id")
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -89,13 +91,15 @@ def cmd_topic(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_sub(args: argparse.Namespace, out: Output) -> int:
-    if args.action in ("add", "remove") and not args.name:
-        raise CLIError(f"sub {args.action}: give TOPIC NAME")
+    if args.action in ("add", "remove") and not args.name and not (args.action == "remove" and args.id):
+        raise CLIError(f"sub {args.action}: give TOPIC NAME" + (" or TOPIC --id ID" if args.action == "remove" else ""))
+    if args.id and (args.action != "remove" or args.name):
+        raise CLIError("sub: --id names the subscription to remove: give it to 'sub remove TOPIC' without NAME")
     with _client(args) as c:
         if args.action == "add":
             doc: Any = c.subscribe(args.topic, args.name, durable=args.durable)
         elif args.action == "remove":
-            doc = c.unsubscribe(args.topic, args.name)
+            doc = c.unsubscribe(args.topic, id=args.id) if args.id else c.unsubscribe(args.topic, args.name)
         else:
             doc = {"topic": args.topic, "subscriptions": c.subscriptions(args.topic)}
     if args.json:
@@ -151,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     subs.add_argument("action", choices=["add", "remove", "list"])
     subs.add_argument("topic")
     subs.add_argument("name", nargs="?", default="")
+    subs.add_argument("--id", default="", help="remove: the subscription with this id (sub list's), whoever its owner")
     dur = subs.add_mutually_exclusive_group()
     dur.add_argument("--durable", dest="durable", action="store_true", default=None)
     dur.add_argument("--no-durable", dest="durable", action="store_false")

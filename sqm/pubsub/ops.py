@@ -84,9 +84,14 @@ def subscribe(svc: Service, session: Session, args: dict[str, Any]) -> dict[str,
 
 
 def unsubscribe(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    topic = service_name(args, "unsubscribe", "topic")
+    if "id" in args:  # by its id, whoever its owner: an operator's alone (docs/pubsub.md, "Who may use ...")
+        if session.role != OPERATOR:
+            raise BadRequestError("unsubscribe: 'id' names any owner's subscription: an operator's connection only; "
+                                  "name your own by its name")
+        return pubsub.unsubscribe_id(svc.qm, topic, bounded_str(args, "unsubscribe", "id", 64)).public()
     user, token = _owner(session, args, "unsubscribe")
-    return pubsub.unsubscribe(svc.qm, service_name(args, "unsubscribe", "topic"),
-                              bounded_str(args, "unsubscribe", "name", pubsub.MAX_NAME), user=user,
+    return pubsub.unsubscribe(svc.qm, topic, bounded_str(args, "unsubscribe", "name", pubsub.MAX_NAME), user=user,
                               token=token).public()
 
 

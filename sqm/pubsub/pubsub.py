@@ -137,7 +137,8 @@ class Subscription(PackedBody):
     def public(self) -> dict[str, Any]:
         return {"topic": self.topic, "name": self.name, "durable": self.durable, "position_lrsn": self.lrsn,
                 "position_pub": self.pub, "subscribed_pc": self.subscribed_pc, "active_pc": self.active_pc,
-                "home": self.home, "received": self.received, "user": self.user, "token": bool(self.token)}
+                "home": self.home, "received": self.received, "user": self.user, "token": bool(self.token),
+                "id": self.sid.hex()}
 
     @property
     def sid(self) -> bytes:
@@ -435,6 +436,33 @@ def unsubscribe(qm: Member, topic_name: str, name: str, *, user: str = "", token
     return s
 
 
+def unsubscribe_id(qm: Member, topic_name: str, sid: str) -> Subscription:
+    """UNSUBSCRIBE by the subscription's id (its entry's message id, hex: ``id`` in its public fields), whoever its
+    owner: an operator's. A subscription whose owner is gone, or whose token no longer matches (the group's logon key
+    was replaced), holds every publication after its position until it expires; naming it by owner needs the
+    owner's token, which the operator does not have, and which only its sealed form in the entry stands for."""
+    t = topic(qm, topic_name)
+    try:
+        raw = bytes.fromhex(sid)
+    except ValueError:
+        raw = b""
+    if len(raw) != len(subscription_id("", "")):
+        raise BadRequestError(f"subscription id must be {2 * len(subscription_id('', ''))} hex digits, not {sid!r}")
+    found = [(e, data) for e, data in peek_entries(qm, t, raw) if e.correlid == SUB_LETTER.hex()]
+    if not found:  # none, or another entry's id (a roster entry's, seen in a browse): not a subscription's
+        raise _no_subscription(qm, t, f"with id {sid}", "")
+    seen = Subscription.unpack(found[0][1])
+    conn = qm.connect()
+    try:  # by the identity it is stored under (its sealed token, or the token of an entry made before sealing)
+        s = take_subscription(conn, t, seen.name, user=seen.user, token=seen.token)
+        take_roster(conn, t, s.sid)
+        conn.commit()
+    except BaseException:
+        conn.backout()
+        raise
+    return s
+
+
 def adopt_unsealed(qm: Member, t: Topic, name: str, user: str, token: str, sealed: str) -> bool:
     """A subscription made before tokens were sealed (its entry and its id hold the token itself) moved to its
     sealed id, position and all, in one unit of work; whether there was one. ResourceProblemError when a session
@@ -656,4 +684,5 @@ def publish(qm: Member, topic_name: str, bodies: list[bytes]) -> str:
 __all__ = ["Topic", "topic", "topics", "Subscription", "Publication", "PubSubSession", "subscribe", "unsubscribe",
            "subscriptions", "peek_subscription", "publish", "subscription_id", "structure_clock", "next_publication",
            "next_publication_head", "take_subscription", "take_all", "take_roster", "put_subscription", "roster",
-           "roster_id", "scan_entries", "peek_entries", "merged", "adopt_unsealed", "ended_by", "incarnation"]
+           "roster_id", "scan_entries", "peek_entries", "merged", "adopt_unsealed", "ended_by", "incarnation",
+           "unsubscribe_id"]

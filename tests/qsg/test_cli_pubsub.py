@@ -61,6 +61,15 @@ def test_topics_subscriptions_and_a_publication(redis_url: str, tmp_path: Path) 
         assert "unsubscribed" in ok("cfemu", "sub", "remove", "NEWS", "bob", *server)
         assert "no subscription bob" in fails("sub", "remove", "NEWS", "bob", *server)
         assert "not a topic" in fails("publish", "NEWS.PUB", "x", *server)
+        with Client(srv.endpoint, token=TOKEN) as carol:  # a logged-on owner's, whose token the operator lacks
+            carol.logon("carol", "her-secret")
+            carol.subscribe("NEWS", "inbox")
+        [row] = [x for x in json.loads(ok("cfemu", "sub", "list", "NEWS", "--json", *server))["subscriptions"]
+                 if x["user"] == "carol"]
+        assert "give it to 'sub remove TOPIC' without NAME" in fails("sub", "remove", "NEWS", "inbox", "--id",
+                                                                     row["id"], *server)
+        assert "inbox unsubscribed" in ok("cfemu", "sub", "remove", "NEWS", "--id", row["id"], *server)
+        assert "carol" not in ok("cfemu", "sub", "list", "NEWS", *server)
     finally:
         assert srv.stop() == 0, srv.log_text()
 
