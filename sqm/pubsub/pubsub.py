@@ -492,6 +492,7 @@ class _Held:
     position: tuple[int, str]  # advanced by this unit of work's receives
     received: int = 0
     blocked: bool = False  # another session holds another entry of it: this one receives nothing (take_all)
+    pc: int = 0  # the pseudo-clock its last receive read (0: none): the activity its COMMIT records
 
 
 @dataclass
@@ -592,6 +593,14 @@ class PubSubSession:
         while True:
             nxt = next_publication(self.qm, t, h.position)
             if nxt.state == "P":
+                created = int(nxt.messages[0][0].properties.get("pub.created", 0))
+                h.pc = pseudo_clock(self.qm, t.structure)
+                if created + t.attributes.lifetime_s * 1000 <= h.pc:
+                    # Past its lifetime: no longer available to subscribers (the sweeper removes it, at its pace;
+                    # the seed: a publication lives, available to subscribers, for the topic's lifetime). The
+                    # position passes it, and the next one is looked at at once.
+                    h.position = (nxt.lrsn, nxt.pub)
+                    continue
                 size = sum(len(data) for _, data in nxt.messages)
                 if room is not None and size > room(len(nxt.messages)):
                     self._give_back_idle()
@@ -600,9 +609,8 @@ class PubSubSession:
                         f"does not fit a reply of {room(len(nxt.messages))} bytes: not received")
                 h.position = (nxt.lrsn, nxt.pub)
                 h.received += 1
-                props = nxt.messages[0][0].properties
-                return Publication(t.name, nxt.pub, nxt.lrsn, [data for _, data in nxt.messages],
-                                   int(props.get("pub.created", 0)), nxt.messages[0][0].persistent)
+                return Publication(t.name, nxt.pub, nxt.lrsn, [data for _, data in nxt.messages], created,
+                                   nxt.messages[0][0].persistent)
             if time.monotonic() >= deadline or self.scope.gone.is_set():
                 break
             nap(POLL_S)
@@ -637,7 +645,7 @@ class PubSubSession:
             self._stage_publication()
             for h in self.held.values():
                 t = topic(self.qm, h.sub.topic)
-                pc = pseudo_clock(self.qm, t.structure)
+                pc = h.pc or pseudo_clock(self.qm, t.structure)
                 put_subscription(self.scope, t, replace(h.sub, lrsn=h.position[0], pub=h.position[1],
                                                         active_pc=max(pc, h.sub.active_pc),
                                                         received=h.sub.received + h.received))

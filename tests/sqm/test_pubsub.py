@@ -277,3 +277,19 @@ def test_a_topic_is_not_defined_over_a_queue_that_has_its_companion_name(
     PubSubSweeper(a).sweep()
     assert conn.get("ORDERS.PUB", syncpoint=False).body == b"order 1"
     admin.define_queue(T, S, topic={"lifetime_s": 60}, replace=True)  # a topic's own companions: redefined with it
+
+
+def test_a_publication_past_its_lifetime_is_not_received(qms: tuple[QueueManager, QueueManager]) -> None:
+    # A publication lives, available to subscribers, for its topic's lifetime: past it, a subscriber that has not
+    # received it does not, whether or not a sweep has removed it yet (the sweeps run every second or so, and a
+    # long backlog takes many of them), and receives what comes after it.
+    a, b = qms
+    ps.subscribe(a, SHORT, "late")
+    ps.publish(a, SHORT, [b"stale"])
+    published = pseudo_clock(a, S)
+    while pseudo_clock(a, S) < published + 1200:
+        time.sleep(0.1)
+    ps.publish(a, SHORT, [b"fresh"])
+    session = ps.PubSubSession(b)
+    assert drain(session, SHORT, "late") == [[b"fresh"]]
+    session.commit()
