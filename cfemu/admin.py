@@ -266,6 +266,15 @@ class Admin:
         old = self.redis.hget(QUEUES, name)
         if old is not None and not replace:
             raise AdminError(f"queue {name} is already defined")
+        if old is None and not replace:
+            # A plain queue may have a companion's name (X.PUB, X.UOWDATA): a topic or service defined over it would
+            # take its messages for its own state (the pubsub sweeper removes them as received publications) and
+            # close it to the applications that use it. ``replace`` is the operator's word that it is to be taken.
+            for companion in qdef.companions:
+                if self.redis.hexists(QUEUES, companion):
+                    raise AdminError(f"queue {companion} is already defined: {name} cannot be defined as a "
+                                     f"{'service' if qdef.uow else 'topic'}, whose companion queue it would be "
+                                     "(delete it first, or define with replace to take it over)")
         if old is not None and msgpack.unpackb(old, raw=False)["structure"] != structure:
             raise AdminError(f"queue {name} is on another structure; it cannot move")
         if old is not None:

@@ -5,6 +5,7 @@
   cfemu topic list
   cfemu sub add TOPIC NAME [--durable | --no-durable] --server HOST:PORT
   cfemu sub remove TOPIC NAME --server HOST:PORT
+  cfemu sub remove TOPIC --id ID --server HOST:PORT    any owner's, by the id `sub list` shows (an operator's)
   cfemu sub list TOPIC --server HOST:PORT
   cfemu publish TOPIC MESSAGE... --server HOST:PORT      one publication of the messages, committed
 
@@ -17,13 +18,15 @@ import argparse
 from typing import Any
 
 from cfemu import repository
-from cfemu.cf import CF
+from cfemu.cf import CF, Structure
 from cfemu.clitools import CLIError, Output, add_settings_arguments, settings
 from cfemu.topic_attributes import SUB_SUFFIX, publication_queue, subscription_queue
 from qsg.cli_common import FIRST_CONNECT_S, Parser, admin_client, run_verb
+from sqm.pubsub.pubsub import SUB_LETTER
 from sqm.service.client import Client
 
-SUB_FIELDS = ("name", "durable", "position_lrsn", "position_pub", "received", "subscribed_pc", "active_pc", "home")
+SUB_FIELDS = ("name", "user", "durable", "position_lrsn", "position_pub", "received", "subscribed_pc", "active_pc",
+              "home", "id")
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -33,6 +36,18 @@ def _client(args: argparse.Namespace) -> Client:
     found = settings(args)
     return Client(args.server, token=found.token, role=found.token_role, client_name="cfemu",
                   first_connect_timeout=FIRST_CONNECT_S)
+
+
+def _subscriptions(s: Structure, topic: str) -> int:
+    """The topic's subscriptions, every one (their entries' descriptors, a bounded batch per CF call): what an
+    operator watches is counted, never its data read, however many there are."""
+    ids: set[str] = set()
+    cursor = "0"
+    while True:
+        cursor, found = s.peek_scan(subscription_queue(topic), "c", SUB_LETTER.hex(), cursor, 500, heads=True)
+        ids.update(entry.msgid for entry, _ in found)
+        if cursor == "0":
+            return len(ids)
 
 
 def cmd_topic(args: argparse.Namespace, out: Output) -> int:
@@ -54,6 +69,7 @@ def cmd_topic(args: argparse.Namespace, out: Output) -> int:
             return 0
         cf = CF(admin.redis)
         rows = []
+        depths: dict[str, dict[str, dict[str, int]]] = {}  # per structure, read once
         for q in admin.queues():
             if not q.topic:
                 continue
@@ -61,8 +77,8 @@ def cmd_topic(args: argparse.Namespace, out: Output) -> int:
             state = admin.state(q.structure)
             subs = msgs = None
             if state == "ACTIVE":
-                subs = len(s.peek(subscription_queue(q.name), "c", b"S".hex(), 10_000))
-                msgs = len(s.browse(publication_queue(q.name), 100_000, 0))
+                subs = _subscriptions(s, q.name)
+                msgs = depths.setdefault(q.structure, s.depths()).get(publication_queue(q.name), {}).get("CP", 0)
             rows.append({"topic": q.name, "structure": q.structure, **q.topic, "subscriptions": subs,
                          "publication_messages": msgs, "state": state})
     if args.json:
@@ -75,13 +91,15 @@ def cmd_topic(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_sub(args: argparse.Namespace, out: Output) -> int:
-    if args.action in ("add", "remove") and not args.name:
-        raise CLIError(f"sub {args.action}: give TOPIC NAME")
+    if args.action in ("add", "remove") and not args.name and not (args.action == "remove" and args.id):
+        raise CLIError(f"sub {args.action}: give TOPIC NAME" + (" or TOPIC --id ID" if args.action == "remove" else ""))
+    if args.id and (args.action != "remove" or args.name):
+        raise CLIError("sub: --id names the subscription to remove: give it to 'sub remove TOPIC' without NAME")
     with _client(args) as c:
         if args.action == "add":
             doc: Any = c.subscribe(args.topic, args.name, durable=args.durable)
         elif args.action == "remove":
-            doc = c.unsubscribe(args.topic, args.name)
+            doc = c.unsubscribe(args.topic, id=args.id) if args.id else c.unsubscribe(args.topic, args.name)
         else:
             doc = {"topic": args.topic, "subscriptions": c.subscriptions(args.topic)}
     if args.json:
@@ -137,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     subs.add_argument("action", choices=["add", "remove", "list"])
     subs.add_argument("topic")
     subs.add_argument("name", nargs="?", default="")
+    subs.add_argument("--id", default="", help="remove: the subscription with this id (sub list's), whoever its owner")
     dur = subs.add_mutually_exclusive_group()
     dur.add_argument("--durable", dest="durable", action="store_true", default=None)
     dur.add_argument("--no-durable", dest="durable", action="store_false")

@@ -84,9 +84,14 @@ def subscribe(svc: Service, session: Session, args: dict[str, Any]) -> dict[str,
 
 
 def unsubscribe(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    topic = service_name(args, "unsubscribe", "topic")
+    if "id" in args:  # by its id, whoever its owner: an operator's alone (docs/pubsub.md, "Who may use ...")
+        if session.role != OPERATOR:
+            raise BadRequestError("unsubscribe: 'id' names any owner's subscription: an operator's connection only; "
+                                  "name your own by its name")
+        return pubsub.unsubscribe_id(svc.qm, topic, bounded_str(args, "unsubscribe", "id", 64)).public()
     user, token = _owner(session, args, "unsubscribe")
-    return pubsub.unsubscribe(svc.qm, service_name(args, "unsubscribe", "topic"),
-                              bounded_str(args, "unsubscribe", "name", pubsub.MAX_NAME), user=user,
+    return pubsub.unsubscribe(svc.qm, topic, bounded_str(args, "unsubscribe", "name", pubsub.MAX_NAME), user=user,
                               token=token).public()
 
 
@@ -110,12 +115,13 @@ def receive_pub(svc: Service, session: Session, args: dict[str, Any]) -> dict[st
         raise BadRequestError(f"receive_pub: wait_ms must be 0-{svc.max_wait_ms}, not {wait_ms}")
     topic = service_name(args, "receive_pub", "topic")
     user, token = _owner(session, {}, "receive_pub")  # only the logged-on user's (never another's)
-    got = _session(svc, session).receive(topic, bounded_str(args, "receive_pub", "name", pubsub.MAX_NAME),
-                                         wait_ms=wait_ms, user=user, token=token)
-    if sum(len(m) for m in got.messages) > session.reply_room(max(1, len(got.messages))):
-        raise TruncatedMessageError(
-            f"receive_pub on {topic}: publication {got.pub} does not fit the replies of this connection to "
-            f"{svc.qm.name} ({session.reply_limit} bytes); it stays held by this session: pub_backout returns it")
+    try:
+        got = _session(svc, session).receive(topic, bounded_str(args, "receive_pub", "name", pubsub.MAX_NAME),
+                                             wait_ms=wait_ms, user=user, token=token,
+                                             room=lambda n: session.reply_room(max(1, n)))
+    except TruncatedMessageError as e:  # not received: a connection with room for it receives it
+        raise TruncatedMessageError(f"receive_pub on {topic}: {e.args[0]}; replies on this connection to "
+                                    f"{svc.qm.name} are {session.reply_limit} bytes") from None
     return got.public()
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,6 +51,7 @@ from cfemu.errors import (
     NoMessageError,
     PstoreUnavailableError,
     ResourceProblemError,
+    TruncatedMessageError,
     UnknownObjectError,
 )
 from cfemu.pstore import WARM
@@ -61,7 +62,7 @@ from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection
 from sqm.core.member import Member
 from sqm.core.packed_body import PackedBody
-from sqm.core.pclock import pseudo_clock
+from sqm.core.pclock import member_epochs, pseudo_clock
 from sqm.pubsub.publication_bounds import DraftBudget, check_fits
 from sqm.request_slots import nap
 
@@ -136,7 +137,8 @@ class Subscription(PackedBody):
     def public(self) -> dict[str, Any]:
         return {"topic": self.topic, "name": self.name, "durable": self.durable, "position_lrsn": self.lrsn,
                 "position_pub": self.pub, "subscribed_pc": self.subscribed_pc, "active_pc": self.active_pc,
-                "home": self.home, "received": self.received, "user": self.user, "token": bool(self.token)}
+                "home": self.home, "received": self.received, "user": self.user, "token": bool(self.token),
+                "id": self.sid.hex()}
 
     @property
     def sid(self) -> bytes:
@@ -339,8 +341,10 @@ def _put_listed(conn: Connection, t: Topic, s: Subscription) -> None:
 def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = None, user: str = "",
               token: str = "") -> Subscription:
     """SUBSCRIBE: a new subscription whose position is the structure's clock now, or below an open publication
-    (structure_clock: it receives the publications committed after it, and those that commit after it), or the subscription already there (a user subscribes once: docs/pubsub.md). ``durable``: None
-    for the topic's characteristic (durable when the topic allows it). ``user``, ``token``: its owner."""
+    (structure_clock: it receives the publications committed after it, and those that commit after it), or the
+    subscription already there (a user subscribes once: docs/pubsub.md) unless that one has ended (ended_by: it is
+    replaced by the new one). ``durable``: None for the topic's characteristic (durable when the topic allows it).
+    ``user``, ``token``: its owner."""
     t = topic(qm, topic_name)
     _check_name(name)
     want = t.attributes.durable if durable is None else bool(durable)
@@ -350,21 +354,43 @@ def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = 
     old = peek_subscription(qm, t, name, user=user, token=token)
     if old is None and adopt_unsealed(qm, t, name, user, clear, token):
         old = peek_subscription(qm, t, name, user=user, token=token)
-    if old is not None:
+    pc = pseudo_clock(qm, t.structure)
+    ended = old is not None and bool(ended_by(t, old, member_epochs(qm), pc))
+    if old is not None and not ended:
         if old.durable != want:
             raise BadRequestError(f"subscription {name} of topic {t.name} exists and is "
                                   f"{'durable' if old.durable else 'not durable'}: unsubscribe it first")
         return old
-    pc = pseudo_clock(qm, t.structure)
     s = Subscription(t.name, name, want, structure_clock(qm, t), AFTER_ALL, pc, pc, incarnation(qm), 0, user, token)
     conn = qm.connect()
     try:
+        if old is not None:  # ended: the sweeper would drop it; the new one takes its place in the same unit of work
+            try:
+                gone: Subscription | None = take_subscription(conn, t, name, user=user, token=token)
+            except UnknownObjectError:
+                gone = None  # the sweeper removed it meanwhile
+            if gone is not None and not ended_by(t, gone, member_epochs(qm), pc):
+                conn.backout()  # used meanwhile (a receive committed): it lives, and is the subscription
+                return subscribe(qm, topic_name, name, durable=durable, user=user, token=clear)
+            take_roster(conn, t, old.sid)
         _put_listed(conn, t, s)
         conn.commit()
     except BaseException:
         conn.backout()
         raise
     return _merge_raced(qm, t, s)
+
+
+def ended_by(t: Topic, s: Subscription, epochs: dict[str, int], pc: int) -> str:
+    """Why the subscription has ended though its entry is still there ("" when it has not): a non-durable one whose
+    home member incarnation is gone (it lives as long as the member it was made through), or one idle past the
+    topic's SUBSCRIPTION-EXPIRATION at pseudo-clock ``pc``. The sweeper removes such a one, and a subscribe of its
+    name makes a new one in its place rather than hand back one the next sweep drops."""
+    if not s.durable and s.home_gone(epochs):
+        return "non-durable-dropped"
+    if s.active_pc + t.attributes.subscription_expiration_s * 1000 <= pc:
+        return "subscriptions-expired"
+    return ""
 
 
 def _merge_raced(qm: Member, t: Topic, s: Subscription) -> Subscription:
@@ -410,6 +436,33 @@ def unsubscribe(qm: Member, topic_name: str, name: str, *, user: str = "", token
     return s
 
 
+def unsubscribe_id(qm: Member, topic_name: str, sid: str) -> Subscription:
+    """UNSUBSCRIBE by the subscription's id (its entry's message id, hex: ``id`` in its public fields), whoever its
+    owner: an operator's. A subscription whose owner is gone, or whose token no longer matches (the group's logon key
+    was replaced), holds every publication after its position until it expires; naming it by owner needs the
+    owner's token, which the operator does not have, and which only its sealed form in the entry stands for."""
+    t = topic(qm, topic_name)
+    try:
+        raw = bytes.fromhex(sid)
+    except ValueError:
+        raw = b""
+    if len(raw) != len(subscription_id("", "")):
+        raise BadRequestError(f"subscription id must be {2 * len(subscription_id('', ''))} hex digits, not {sid!r}")
+    found = [(e, data) for e, data in peek_entries(qm, t, raw) if e.correlid == SUB_LETTER.hex()]
+    if not found:  # none, or another entry's id (a roster entry's, seen in a browse): not a subscription's
+        raise _no_subscription(qm, t, f"with id {sid}", "")
+    seen = Subscription.unpack(found[0][1])
+    conn = qm.connect()
+    try:  # by the identity it is stored under (its sealed token, or the token of an entry made before sealing)
+        s = take_subscription(conn, t, seen.name, user=seen.user, token=seen.token)
+        take_roster(conn, t, s.sid)
+        conn.commit()
+    except BaseException:
+        conn.backout()
+        raise
+    return s
+
+
 def adopt_unsealed(qm: Member, t: Topic, name: str, user: str, token: str, sealed: str) -> bool:
     """A subscription made before tokens were sealed (its entry and its id hold the token itself) moved to its
     sealed id, position and all, in one unit of work; whether there was one. ResourceProblemError when a session
@@ -439,6 +492,7 @@ class _Held:
     position: tuple[int, str]  # advanced by this unit of work's receives
     received: int = 0
     blocked: bool = False  # another session holds another entry of it: this one receives nothing (take_all)
+    pc: int = 0  # the pseudo-clock its last receive read (0: none): the activity its COMMIT records
 
 
 @dataclass
@@ -507,11 +561,13 @@ class PubSubSession:
                            properties={"pub.index": i, "pub.count": n, "pub.created": pc})
 
     # --- subscribe ----------------------------------------------------------------------------------------------
-    def receive(self, topic_name: str, name: str, *, wait_ms: int = 0, user: str = "",
-                token: str = "") -> Publication:
+    def receive(self, topic_name: str, name: str, *, wait_ms: int = 0, user: str = "", token: str = "",
+                room: Callable[[int], int] | None = None) -> Publication:
         """The next publication for the subscription of ``user`` and ``token``, whole (NoMessageError: none within
         ``wait_ms``). Its entry stays taken by this session until COMMIT (the position advances) or BACKOUT (it is
-        received again)."""
+        received again). ``room``: the data bytes the caller's reply carries for a number of messages; a
+        publication larger than that is not received (TruncatedMessageError, the position left where it was), as a
+        get that cannot be carried takes nothing: a COMMIT of the session's other work must not pass it."""
         t = topic(self.qm, topic_name)
         token, clear = logon_token.seal(self.qm, user, token), token
         key = (t.name, subscription_id(t.name, _check_name(name), user, token).hex())
@@ -537,17 +593,30 @@ class PubSubSession:
         while True:
             nxt = next_publication(self.qm, t, h.position)
             if nxt.state == "P":
+                created = int(nxt.messages[0][0].properties.get("pub.created", 0))
+                h.pc = pseudo_clock(self.qm, t.structure)
+                if created + t.attributes.lifetime_s * 1000 <= h.pc:
+                    # Past its lifetime: no longer available to subscribers (the sweeper removes it, at its pace;
+                    # the seed: a publication lives, available to subscribers, for the topic's lifetime). The
+                    # position passes it, and the next one is looked at at once.
+                    h.position = (nxt.lrsn, nxt.pub)
+                    continue
+                size = sum(len(data) for _, data in nxt.messages)
+                if room is not None and size > room(len(nxt.messages)):
+                    self._give_back_idle()
+                    raise TruncatedMessageError(
+                        f"publication {nxt.pub} of topic {t.name} ({size} bytes in {len(nxt.messages)} messages) "
+                        f"does not fit a reply of {room(len(nxt.messages))} bytes: not received")
                 h.position = (nxt.lrsn, nxt.pub)
                 h.received += 1
-                props = nxt.messages[0][0].properties
-                return Publication(t.name, nxt.pub, nxt.lrsn, [data for _, data in nxt.messages],
-                                   int(props.get("pub.created", 0)), nxt.messages[0][0].persistent)
+                return Publication(t.name, nxt.pub, nxt.lrsn, [data for _, data in nxt.messages], created,
+                                   nxt.messages[0][0].persistent)
             if time.monotonic() >= deadline or self.scope.gone.is_set():
                 break
             nap(POLL_S)
         if self.scope.gone.is_set():
             raise ClientGoneError("the client left while its receive waited")
-        if not any(x.received for x in self.held.values()) and self.draft is None:
+        if self._holds_nothing():
             # It took nothing: give the entry back, so that another session (on any member) may receive for the
             # subscription. A subscriber that polls an idle topic is active: its activity is recorded when half its
             # SUBSCRIPTION-EXPIRATION has passed, so that it does not expire while it polls.
@@ -556,6 +625,15 @@ class PubSubSession:
             else:
                 self.backout()
         raise NoMessageError(f"no publication for subscription {name} of topic {t.name}")
+
+    def _holds_nothing(self) -> bool:
+        """Whether the session has received nothing and publishes nothing: what it holds are entries it only took."""
+        return not any(x.received for x in self.held.values()) and self.draft is None
+
+    def _give_back_idle(self) -> None:
+        """Give back the entries taken when the session holds nothing else (another session may receive for them)."""
+        if self._holds_nothing():
+            self.backout()
 
     # --- syncpoint ----------------------------------------------------------------------------------------------
     def commit(self) -> dict[str, Any]:
@@ -567,7 +645,7 @@ class PubSubSession:
             self._stage_publication()
             for h in self.held.values():
                 t = topic(self.qm, h.sub.topic)
-                pc = pseudo_clock(self.qm, t.structure)
+                pc = h.pc or pseudo_clock(self.qm, t.structure)
                 put_subscription(self.scope, t, replace(h.sub, lrsn=h.position[0], pub=h.position[1],
                                                         active_pc=max(pc, h.sub.active_pc),
                                                         received=h.sub.received + h.received))
@@ -614,4 +692,5 @@ def publish(qm: Member, topic_name: str, bodies: list[bytes]) -> str:
 __all__ = ["Topic", "topic", "topics", "Subscription", "Publication", "PubSubSession", "subscribe", "unsubscribe",
            "subscriptions", "peek_subscription", "publish", "subscription_id", "structure_clock", "next_publication",
            "next_publication_head", "take_subscription", "take_all", "take_roster", "put_subscription", "roster",
-           "roster_id", "scan_entries", "peek_entries", "merged", "adopt_unsealed"]
+           "roster_id", "scan_entries", "peek_entries", "merged", "adopt_unsealed", "ended_by", "incarnation",
+           "unsubscribe_id"]

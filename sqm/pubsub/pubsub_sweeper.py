@@ -53,11 +53,9 @@ class PubSubSweeper:
         newest = max((s.active_pc for entries in subs.values() for s in entries), default=0)
         pc = pseudo_clock(qm, t.structure, floor=newest)  # a restored structure resumes from what it holds
         epochs = member_epochs(qm)
-        expiration_ms = t.attributes.subscription_expiration_s * 1000
 
         def removable(s: ps.Subscription) -> str:
-            return ("non-durable-dropped" if not s.durable and s.home_gone(epochs) else
-                    "subscriptions-expired" if s.active_pc + expiration_ms <= pc else "")
+            return ps.ended_by(t, s, epochs, pc)
 
         positions = []
         for entries in subs.values():

@@ -51,7 +51,12 @@ class PubSubCalls:
             args["durable"] = durable
         return dict(self._call("subscribe", args))
 
-    def unsubscribe(self, topic: str, name: str, *, user: str | None = None, token: str = "") -> dict[str, Any]:
+    def unsubscribe(self, topic: str, name: str = "", *, user: str | None = None, token: str = "",
+                    id: str | None = None) -> dict[str, Any]:
+        """UNSUBSCRIBE the logged-on user's subscription ``name`` (an operator: ``user``'s with ``token``), or, for
+        an operator, any owner's by its ``id`` (the listing's), without its owner's token. Returns its fields."""
+        if id is not None:
+            return dict(self._call("unsubscribe", {"topic": topic, "id": id}))
         return dict(self._call("unsubscribe", {"topic": topic, "name": name, **_owner(user, token)}))
 
     def subscriptions(self, topic: str, *, user: str | None = None, token: str = "") -> list[dict[str, Any]]:

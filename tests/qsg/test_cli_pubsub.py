@@ -11,8 +11,10 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
+from sqm.pubsub import pubsub as ps
 from sqm.service.client import Client
 from tests.qsg.test_cli import ok, run
+from tests.support.group import start_qm
 from tests.support.service_proc import TOKEN, start_server
 
 
@@ -59,5 +61,35 @@ def test_topics_subscriptions_and_a_publication(redis_url: str, tmp_path: Path) 
         assert "unsubscribed" in ok("cfemu", "sub", "remove", "NEWS", "bob", *server)
         assert "no subscription bob" in fails("sub", "remove", "NEWS", "bob", *server)
         assert "not a topic" in fails("publish", "NEWS.PUB", "x", *server)
+        with Client(srv.endpoint, token=TOKEN) as carol:  # a logged-on owner's, whose token the operator lacks
+            carol.logon("carol", "her-secret")
+            carol.subscribe("NEWS", "inbox")
+        [row] = [x for x in json.loads(ok("cfemu", "sub", "list", "NEWS", "--json", *server))["subscriptions"]
+                 if x["user"] == "carol"]
+        assert "give it to 'sub remove TOPIC' without NAME" in fails("sub", "remove", "NEWS", "inbox", "--id",
+                                                                     row["id"], *server)
+        assert "inbox unsubscribed" in ok("cfemu", "sub", "remove", "NEWS", "--id", row["id"], *server)
+        assert "carol" not in ok("cfemu", "sub", "list", "NEWS", *server)
     finally:
         assert srv.stop() == 0, srv.log_text()
+
+
+def test_topic_list_counts_a_backlog_without_reading_it(redis_url: str, tmp_path: Path) -> None:
+    """`cfemu topic list` is what an operator watches when a slow subscriber's backlog grows: it counts the
+    publication messages from the CF's lists, never their data, and counts every one however many there are."""
+    where = ["--redis-url", redis_url, "--log-root", str(tmp_path / "logs")]
+    admin = Admin(connect(redis_url))
+    admin.ensure_structure("APP1")
+    admin.define_queue("BIG", "APP1", topic={})
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    try:
+        ps.subscribe(qm, "BIG", "slow")  # never receives: the backlog stays
+        for _ in range(3):
+            ps.publish(qm, "BIG", [b"x" * (4 * 2**20 - 1024)])
+    finally:
+        qm.stop()
+    before = int(connect(redis_url).info("stats")["total_net_output_bytes"])
+    topics = {t["topic"]: t for t in json.loads(ok("cfemu", "topic", "list", "--json", *where))["topics"]}
+    sent = int(connect(redis_url).info("stats")["total_net_output_bytes"]) - before
+    assert topics["BIG"]["publication_messages"] == 3 and topics["BIG"]["subscriptions"] == 1
+    assert sent < 2**20, f"topic list made the CF send {sent} bytes for a backlog of 12 MiB"

@@ -223,3 +223,73 @@ def test_a_subscriber_that_polls_an_idle_topic_does_not_expire(qms: tuple[QueueM
         sweeper.sweep()
         time.sleep(0.1)
     assert [s.name for s in ps.subscriptions(a, ps.topic(a, "POLL"))] == ["poller"]
+
+
+def test_a_subscribe_after_its_member_restarted_makes_a_live_non_durable_subscription(
+        qms: tuple[QueueManager, QueueManager], redis_url: str, tmp_path: Path) -> None:
+    # A non-durable subscription ends with its member's incarnation: the application's subscribe once the member is
+    # back must give it one that lives, not hand back the ended one for the next sweep to drop.
+    a, b = qms
+    ps.subscribe(b, NONDUR, "temp")
+    b.stop()
+    b2 = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
+    try:
+        s = ps.subscribe(b2, NONDUR, "temp")
+        assert s.home == ps.incarnation(b2)
+        ps.publish(a, NONDUR, [b"after"])
+        PubSubSweeper(a).sweep()
+        session = ps.PubSubSession(b2)
+        assert session.receive(NONDUR, "temp").messages == [b"after"]
+        session.commit()
+    finally:
+        b2.stop()
+
+
+def test_a_subscribe_of_an_expired_subscription_makes_a_new_one(qms: tuple[QueueManager, QueueManager]) -> None:
+    # A subscription idle past SUBSCRIPTION-EXPIRATION has ended: a subscribe of its name starts a new one (after
+    # everything committed so far), not the ended one, which the next sweep would drop.
+    a, b = qms
+    ps.subscribe(a, SHORT, "late")
+    ps.publish(a, SHORT, [b"while idle"])
+    time.sleep(3.5)
+    s = ps.subscribe(b, SHORT, "late")
+    ps.publish(a, SHORT, [b"after"])
+    PubSubSweeper(a).sweep()
+    assert [x.name for x in ps.subscriptions(a, ps.topic(a, SHORT))] == ["late"]
+    session = ps.PubSubSession(b)
+    assert drain(session, SHORT, "late") == [[b"after"]]
+    session.commit()
+    assert s.active_pc >= pseudo_clock(a, S) - 1000
+
+
+def test_a_topic_is_not_defined_over_a_queue_that_has_its_companion_name(
+        qms: tuple[QueueManager, QueueManager], redis_url: str) -> None:
+    # A plain queue may end in .PUB or .SUB: a topic defined over it would take its messages for publications (the
+    # sweeper removes them as received), close it to its applications and change its attributes.
+    a, _ = qms
+    admin = Admin(connect(redis_url))
+    admin.define_queue("ORDERS.PUB", S)
+    conn = a.connect()
+    conn.put("ORDERS.PUB", b"order 1", syncpoint=True)
+    conn.commit()
+    with pytest.raises(AdminError, match="ORDERS.PUB is already defined"):
+        admin.define_queue("ORDERS", S, topic={})
+    PubSubSweeper(a).sweep()
+    assert conn.get("ORDERS.PUB", syncpoint=False).body == b"order 1"
+    admin.define_queue(T, S, topic={"lifetime_s": 60}, replace=True)  # a topic's own companions: redefined with it
+
+
+def test_a_publication_past_its_lifetime_is_not_received(qms: tuple[QueueManager, QueueManager]) -> None:
+    # A publication lives, available to subscribers, for its topic's lifetime: past it, a subscriber that has not
+    # received it does not, whether or not a sweep has removed it yet (the sweeps run every second or so, and a
+    # long backlog takes many of them), and receives what comes after it.
+    a, b = qms
+    ps.subscribe(a, SHORT, "late")
+    ps.publish(a, SHORT, [b"stale"])
+    published = pseudo_clock(a, S)
+    while pseudo_clock(a, S) < published + 1200:
+        time.sleep(0.1)
+    ps.publish(a, SHORT, [b"fresh"])
+    session = ps.PubSubSession(b)
+    assert drain(session, SHORT, "late") == [[b"fresh"]]
+    session.commit()

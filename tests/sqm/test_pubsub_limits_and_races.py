@@ -14,7 +14,7 @@ import pytest
 from cfemu.admin import Admin
 from cfemu.cf import TopicNext
 from cfemu.connection import connect
-from cfemu.errors import NoMessageError, ResourceProblemError, UnknownObjectError
+from cfemu.errors import BadRequestError, NoMessageError, ResourceProblemError, UnknownObjectError
 from sqm.conversations import uowcontrols as ctl
 from sqm.core.manager import QueueManager
 from sqm.pubsub import pubsub as ps
@@ -252,5 +252,37 @@ def test_the_service_binds_a_subscription_to_the_logged_on_user(redis_url: str, 
                 op.unsubscribe(T, "inbox")  # the anonymous owner's: there is none
             assert op.unsubscribe(T, "inbox", user="alice", token="secret")["received"] == 1
             assert alice.subscriptions(T) == []
+    finally:
+        assert srv.stop() == 0, srv.log_text()
+
+
+def test_an_operator_removes_a_subscription_by_its_id_without_its_owners_token(redis_url: str, tmp_path: Path) -> None:
+    """A durable subscription whose owner is gone, or whose token no longer matches (the group's logon key was
+    replaced), keeps every publication after its position until it expires: an operator removes it by the id the
+    listing shows, without the owner's token; an application cannot name another's that way."""
+    admin = Admin(connect(redis_url))
+    admin.ensure_structure(S)
+    admin.define_queue(T, S, topic={})
+    srv = start_server(redis_url, tmp_path, "QM1", "--token", TOKEN, env={"SQM_OPERATOR_TOKEN": "op-tok"})
+    try:
+        with Client(srv.endpoint, token=TOKEN) as alice, Client(srv.endpoint, token=TOKEN) as bob, \
+                Client(srv.endpoint, token="op-tok", role="operator") as op:
+            alice.logon("alice", "forgotten")
+            alice.subscribe(T, "inbox")
+            bob.publish(T, b"kept for alice", commit=True)
+            [listed] = op.subscriptions(T)
+            assert listed["user"] == "alice" and "forgotten" not in str(listed)
+            bob.logon("bob", "secret")
+            with pytest.raises(BadRequestError, match="operator's connection only"):
+                bob.unsubscribe(T, id=listed["id"])
+            with pytest.raises(BadRequestError, match="hex digits"):
+                op.unsubscribe(T, id="not hex")
+            with pytest.raises(UnknownObjectError, match="no subscription with id"):  # its roster entry's id
+                op.unsubscribe(T, id=ps.roster_id(bytes.fromhex(listed["id"])).hex())
+            removed = op.unsubscribe(T, id=listed["id"])
+            assert (removed["user"], removed["name"]) == ("alice", "inbox")
+            assert op.subscriptions(T) == [] and alice.subscriptions(T) == []
+            with pytest.raises(UnknownObjectError):
+                op.unsubscribe(T, id=listed["id"])
     finally:
         assert srv.stop() == 0, srv.log_text()

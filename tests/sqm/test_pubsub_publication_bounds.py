@@ -15,7 +15,7 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from cfemu.errors import BadRequestError, NoMessageError, ResourceProblemError
+from cfemu.errors import BadRequestError, NoMessageError, ResourceProblemError, TruncatedMessageError
 from cfemu.limits import MAX_MSG_LENGTH
 from sqm.core.manager import QueueManager
 from sqm.pubsub import pubsub as ps
@@ -159,5 +159,36 @@ def test_publications_being_published_count_against_the_members_budget(redis_url
             assert in_flight(op, 0) == 0
             with pytest.raises(NoMessageError):
                 watcher.receive_pub(T, "all")  # lost's never committed
+    finally:
+        assert srv.stop() == 0, srv.log_text()
+
+
+def test_a_publication_a_reply_cannot_carry_is_not_received(redis_url: str, tmp_path: Path) -> None:
+    """A receive_pub refused because the connection's replies cannot carry the publication takes nothing, as a get
+    does: a COMMIT after it (of the session's other work) does not move the subscription past the publication, which
+    a connection with room for it receives next."""
+    admin = Admin(connect(redis_url))
+    admin.ensure_structure(S)
+    admin.define_queue(T, S, topic={}, max_msg_length=MIB)
+    srv = start_server(redis_url, tmp_path, "QM1", "--token", TOKEN)
+    try:
+        with Client(srv.endpoint, token=TOKEN, max_frame=64 * 1024) as small, \
+                Client(srv.endpoint, token=TOKEN) as big:
+            small.subscribe(T, "x")
+            small.subscribe(T, "y")
+            big.publish(T, b"s", commit=True)
+            big.publish(T, b"b" * (256 * 1024), commit=True)
+            assert small.receive_pub(T, "x")["messages"] == [b"s"]
+            with pytest.raises(TruncatedMessageError, match="does not fit"):
+                small.receive_pub(T, "x")
+            assert small.receive_pub(T, "y")["messages"] == [b"s"]
+            small.pub_commit()  # what it received: x's small publication, y's
+            got = big.receive_pub(T, "x")
+            assert [len(m) for m in got["messages"]] == [256 * 1024]
+            big.pub_commit()
+            with pytest.raises(TruncatedMessageError, match="does not fit"):
+                small.receive_pub(T, "y")  # holding nothing else, it gives the subscription back at once
+            assert [len(m) for m in big.receive_pub(T, "y")["messages"]] == [256 * 1024]
+            big.pub_commit()
     finally:
         assert srv.stop() == 0, srv.log_text()
