@@ -420,14 +420,23 @@ def unsubscribe(qm: Member, topic_name: str, name: str, *, user: str = "", token
     """UNSUBSCRIBE: the subscription's entries are removed (its position with them), and its roster entry."""
     t = topic(qm, topic_name)
     sealed = logon_token.seal(qm, user, token)
-    conn = qm.connect()
-    try:
+
+    def take(conn: Connection) -> Subscription:
         try:
-            s = take_subscription(conn, t, _check_name(name), user=user, token=sealed)
+            return take_subscription(conn, t, _check_name(name), user=user, token=sealed)
         except UnknownObjectError:
             if not adopt_unsealed(qm, t, name, user, token, sealed):
                 raise
-            s = take_subscription(conn, t, name, user=user, token=sealed)
+            return take_subscription(conn, t, name, user=user, token=sealed)
+    return _removed(qm, t, take)
+
+
+def _removed(qm: Member, t: Topic, take: Callable[[Connection], Subscription]) -> Subscription:
+    """The subscription ``take`` takes, and its roster entry, removed in one unit of work of a connection of its
+    own."""
+    conn = qm.connect()
+    try:
+        s = take(conn)
         take_roster(conn, t, s.sid)
         conn.commit()
     except BaseException:
@@ -452,15 +461,8 @@ def unsubscribe_id(qm: Member, topic_name: str, sid: str) -> Subscription:
     if not found:  # none, or another entry's id (a roster entry's, seen in a browse): not a subscription's
         raise _no_subscription(qm, t, f"with id {sid}", "")
     seen = Subscription.unpack(found[0][1])
-    conn = qm.connect()
-    try:  # by the identity it is stored under (its sealed token, or the token of an entry made before sealing)
-        s = take_subscription(conn, t, seen.name, user=seen.user, token=seen.token)
-        take_roster(conn, t, s.sid)
-        conn.commit()
-    except BaseException:
-        conn.backout()
-        raise
-    return s
+    # taken by the identity it is stored under (its sealed token, or the token of an entry made before sealing)
+    return _removed(qm, t, lambda conn: take_subscription(conn, t, seen.name, user=seen.user, token=seen.token))
 
 
 def adopt_unsealed(qm: Member, t: Topic, name: str, user: str, token: str, sealed: str) -> bool:
