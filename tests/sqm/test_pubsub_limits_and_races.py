@@ -21,7 +21,7 @@ from sqm.pubsub import pubsub as ps
 from sqm.pubsub.pubsub_sweeper import PubSubSweeper
 from sqm.service.client import Client
 from tests.support.group import two_members
-from tests.support.service_proc import TOKEN, start_server
+from tests.support.service_proc import TOKEN, ServerProc, start_server
 
 S, T = "APP1", "NEWS"
 
@@ -219,14 +219,19 @@ def test_a_subscription_is_its_owners_alone(qms: tuple[QueueManager, QueueManage
     assert [(s.user, s.name) for s in ps.subscriptions(a, t)] == [("", "inbox")]
 
 
+def _topic_and_operator_server(redis_url: str, tmp_path: Path) -> ServerProc:
+    """Topic T defined, and a member QM1 serving it that takes the operator token "op-tok"."""
+    admin = Admin(connect(redis_url))
+    admin.ensure_structure(S)
+    admin.define_queue(T, S, topic={})
+    return start_server(redis_url, tmp_path, "QM1", "--token", TOKEN, env={"SQM_OPERATOR_TOKEN": "op-tok"})
+
+
 def test_the_service_binds_a_subscription_to_the_logged_on_user(redis_url: str, tmp_path: Path) -> None:
     """Through the service, a subscription made after a logon belongs to that user and token: another
     logged-on user, a connection without a logon, and the same user with another token cannot receive for it,
     remove it or list it; an operator can remove it by naming its owner."""
-    admin = Admin(connect(redis_url))
-    admin.ensure_structure(S)
-    admin.define_queue(T, S, topic={})
-    srv = start_server(redis_url, tmp_path, "QM1", "--token", TOKEN, env={"SQM_OPERATOR_TOKEN": "op-tok"})
+    srv = _topic_and_operator_server(redis_url, tmp_path)
     try:
         with Client(srv.endpoint, token=TOKEN) as alice, Client(srv.endpoint, token=TOKEN) as bob, \
                 Client(srv.endpoint, token=TOKEN) as anon, \
@@ -260,10 +265,7 @@ def test_an_operator_removes_a_subscription_by_its_id_without_its_owners_token(r
     """A durable subscription whose owner is gone, or whose token no longer matches (the group's logon key was
     replaced), keeps every publication after its position until it expires: an operator removes it by the id the
     listing shows, without the owner's token; an application cannot name another's that way."""
-    admin = Admin(connect(redis_url))
-    admin.ensure_structure(S)
-    admin.define_queue(T, S, topic={})
-    srv = start_server(redis_url, tmp_path, "QM1", "--token", TOKEN, env={"SQM_OPERATOR_TOKEN": "op-tok"})
+    srv = _topic_and_operator_server(redis_url, tmp_path)
     try:
         with Client(srv.endpoint, token=TOKEN) as alice, Client(srv.endpoint, token=TOKEN) as bob, \
                 Client(srv.endpoint, token="op-tok", role="operator") as op:
