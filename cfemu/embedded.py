@@ -56,7 +56,6 @@ import redis
 
 from cfemu import server_module
 from cfemu.procs import free_port, log_tail, pid_alive, pid_is_redis, popen_tied
-from cfemu.server_env import server_environment
 from cfemu.sockets import UNIX_PATH_MAX
 
 __all__ = [
@@ -607,7 +606,7 @@ class EmbeddedRedis:
             log.flush()
             # umask 077: the AOF, the RDB and the log hold every message: readable by their owner only.
             popen_kw: dict[str, Any] = {"umask": 0o077, "stdin": subprocess.DEVNULL, "stdout": log,
-                                        "stderr": subprocess.STDOUT, "env": server_environment(os.environ),
+                                        "stderr": subprocess.STDOUT,
                                         "cwd": data_dir, "close_fds": True}
             if self.detach:
                 proc = subprocess.Popen(cmd, start_new_session=True, **popen_kw)
