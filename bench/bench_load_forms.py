@@ -20,8 +20,8 @@ reads the CF's CPU seconds (INFO cpu, used_cpu_sys + used_cpu_user) before and a
 
 Each round runs every form once, each on a CF of its own; the table gives each form's median CF CPU and its ratio
 to raw's. Entries: ids of 16 characters, a descriptor as a restore writes it, 1 KiB of data (--body), 4 queues.
-The CF's server starts with the environment's GLIBC_TUNABLES, or cfemu.server_env's tcache setting where it names
-none: GLIBC_TUNABLES=glibc.malloc.tcache_count=7 (glibc's default) measures the server without it.
+The CF's server starts with the environment's GLIBC_TUNABLES: GLIBC_TUNABLES=glibc.malloc.tcache_count=16384
+measures it with glibc's thread cache enlarged (BENCHMARKS.md, "The CF's allocator").
 
     .venv/bin/python bench/bench_load_forms.py [--quick] [--entries 200000] [--rounds 3] [--body 1024] [--forms raw,load]
                                              [--json]
