@@ -495,6 +495,7 @@ class _Held:
     received: int = 0
     blocked: bool = False  # another session holds another entry of it: this one receives nothing (take_all)
     pc: int = 0  # the pseudo-clock its last receive read (0: none): the activity its COMMIT records
+    ended: str = ""  # why it had ended when taken (ended_by): it receives nothing, and COMMIT puts it back as taken
 
 
 @dataclass
@@ -575,6 +576,7 @@ class PubSubSession:
         key = (t.name, subscription_id(t.name, _check_name(name), user, token).hex())
         if not 0 <= wait_ms <= 3_600_000:
             raise BadRequestError(f"wait must be 0-3600000 ms, not {wait_ms}")
+        ended = self.held[key].ended if key in self.held else ""
         if key not in self.held:
             try:
                 s, elsewhere = take_all(self.scope, t, name, user=user, token=token)
@@ -582,9 +584,15 @@ class PubSubSession:
                 if not adopt_unsealed(self.qm, t, name, user, clear, token):
                     raise
                 s, elsewhere = take_all(self.scope, t, name, user=user, token=token)
-            self.held[key] = _Held(s, s.position, blocked=elsewhere)
-            if elsewhere and len(self.held) == 1 and self.draft is None:
+            pc = pseudo_clock(self.qm, t.structure)
+            ended = ended_by(t, s, member_epochs(self.qm) if not s.durable else {}, pc)
+            self.held[key] = _Held(s, s.position, blocked=elsewhere, ended=ended)
+            if (elsewhere or ended) and len(self.held) == 1 and self.draft is None:
                 self.backout()  # it holds nothing else: give back what it took at once
+        if ended:
+            # Ended (expired, or a non-durable one whose member is gone): the sweeper removes it, and a subscribe of
+            # its name makes a new one. A receive must not deliver from it, nor its COMMIT make it active again.
+            raise UnknownObjectError(f"subscription {name} of topic {t.name} has ended ({ended}): subscribe again")
         h = self.held.get(key)
         if h is None or h.blocked:
             raise ResourceProblemError(f"subscription {name} of topic {t.name} has another entry held by another "
@@ -647,6 +655,9 @@ class PubSubSession:
             self._stage_publication()
             for h in self.held.values():
                 t = topic(self.qm, h.sub.topic)
+                if h.ended:  # as it was taken: ended still, for the sweeper to remove
+                    put_subscription(self.scope, t, h.sub)
+                    continue
                 pc = h.pc or pseudo_clock(self.qm, t.structure)
                 put_subscription(self.scope, t, replace(h.sub, lrsn=h.position[0], pub=h.position[1],
                                                         active_pc=max(pc, h.sub.active_pc),

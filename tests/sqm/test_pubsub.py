@@ -262,6 +262,28 @@ def test_a_subscribe_of_an_expired_subscription_makes_a_new_one(qms: tuple[Queue
     assert s.active_pc >= pseudo_clock(a, S) - 1000
 
 
+def test_a_receive_on_an_expired_subscription_is_refused_and_its_commit_does_not_revive_it(
+        qms: tuple[QueueManager, QueueManager]) -> None:
+    # Idle past SUBSCRIPTION-EXPIRATION, a subscription has ended, swept or not: a receive must not deliver from it,
+    # and the COMMIT of the session's other work must leave it ended (for the sweeper), not make it active again.
+    a, b = qms
+    ps.subscribe(a, SHORT, "gone")
+    ps.subscribe(a, SHORT, "alive")
+    time.sleep(3.5)
+    ps.publish(a, SHORT, [b"after it ended"])
+    session = ps.PubSubSession(b)
+    with pytest.raises(UnknownObjectError, match="has ended \\(subscriptions-expired\\): subscribe again"):
+        session.receive(SHORT, "gone")
+    session.publish(T, b"other work")  # the session holds other work: its COMMIT puts the ended entry back
+    with pytest.raises(UnknownObjectError, match="has ended"):
+        session.receive(SHORT, "alive")  # expired too (idle as long)
+    with pytest.raises(UnknownObjectError, match="has ended"):
+        session.receive(SHORT, "alive")  # asked again in the same unit of work: still refused
+    session.commit()
+    assert PubSubSweeper(a).sweep()["subscriptions-expired"] == 2
+    assert ps.subscriptions(a, ps.topic(a, SHORT)) == []
+
+
 def test_a_topic_is_not_defined_over_a_queue_that_has_its_companion_name(
         qms: tuple[QueueManager, QueueManager], redis_url: str) -> None:
     # A plain queue may end in .PUB or .SUB: a topic defined over it would take its messages for publications (the
