@@ -159,6 +159,21 @@ def good_copy(manifest: dict[str, Any] | None, segment: int) -> Path | None:
     return None
 
 
+def copy_holds(active: Path, copy: Path, segment: int, member: str) -> bool:
+    """Whether the archived copy of a segment holds the active file's bytes, so that the active file may go: what
+    an archive interrupted after its manifest listed the copy, and before it removed the active file, needs before
+    the open finishes it. The copy's volume may be missing at that open (not mounted yet), or the copy damaged: the
+    active file is then the only good copy, and stays (readers read it: log_segments) until an open finds the copy
+    good. Never copied again here: a missing volume's empty mount point would take the copy in its place."""
+    why = "it is missing" if not copy.is_file() else _damage(copy, file_digest(active))
+    if why:
+        log.warning("%s: log segment %d was archived to %s, but %s: its active file %s is kept, and read, until the "
+                    "copy is good", member, segment, copy, why.replace("its bytes differ from the archived copy's",
+                                                                        "its bytes differ from the active file's"),
+                    active)
+    return not why
+
+
 def archive_copy(src: Path, dst: Path, info: SegmentInfo, member: str, copied: dict[str, Any] | None) -> int:
     """The archived copy of a sealed segment about to leave the active log, checked before the active file (then
     the only other copy) is removed: a copy made while the segment was active (copied) is kept when its bytes
@@ -178,5 +193,5 @@ def archive_copy(src: Path, dst: Path, info: SegmentInfo, member: str, copied: d
     return size
 
 
-__all__ = ["MediaRecovery", "archive_copy", "copy_verified", "file_digest", "good_copy", "repair_damaged",
+__all__ = ["MediaRecovery", "archive_copy", "copy_holds", "copy_verified", "file_digest", "good_copy", "repair_damaged",
            "restore_missing"]

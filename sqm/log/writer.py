@@ -42,7 +42,14 @@ from sqm.log.format import (
     trusted_segments,
     write_manifest,
 )
-from sqm.log.mediacopy import MediaRecovery, archive_copy, copy_verified, repair_damaged, restore_missing
+from sqm.log.mediacopy import (
+    MediaRecovery,
+    archive_copy,
+    copy_holds,
+    copy_verified,
+    repair_damaged,
+    restore_missing,
+)
 from sqm.request_slots import before_wait
 
 #: Checkpoints remembered in the manifest.
@@ -218,6 +225,7 @@ class RecordLog:
             )
         self._checkpoints = manifest_checkpoints(manifest)
         self._archived = list((manifest or {}).get("archived", []))
+        self._kept_active: set[int] = set()  # archived segments whose active file stays: their copy is not good
         self._copies = list((manifest or {}).get("copies", []))
         self._pruned = int((manifest or {}).get("pruned", 0))
         self._group = manifest_group(manifest)
@@ -228,10 +236,14 @@ class RecordLog:
         restored = restore_missing(d, self.member, manifest)
         segs = checked_segments(d, manifest)
         if segs and archived & {n for n, _ in segs[:-1]}:
-            # An archive interrupted after the manifest listed the copy and before the active file was removed.
+            # An archive interrupted after the manifest listed the copy and before the active file was removed: the
+            # active file goes once its copy holds its bytes, else it stays for readers (copy_holds).
+            copies = {i.segment: i.path for i in archived_segments(manifest)}
             for segno, path in segs[:-1]:
-                if segno in archived:
+                if segno in archived and copy_holds(path, copies[segno], segno, self.member):
                     path.unlink()
+                elif segno in archived:
+                    self._kept_active.add(segno)
             fsync_directory(d)
             segs = [(n, p) for n, p in segs if n not in archived or n == segs[-1][0]]
         if segs and segs[0][0] < self._pruned <= segs[-1][0]:
@@ -766,7 +778,8 @@ class RecordLog:
                 self._raise_unusable()
             self._write_locked()
             segs: list[tuple[int, Path, SegmentInfo | None]] = [
-                (i.segment, i.path, i) for i in archived_segments({"archived": self._archived})
+                (i.segment, self.directory / segment_name(i.segment) if i.segment in self._kept_active else i.path, i)
+                for i in archived_segments({"archived": self._archived})
                 if i.segment < (self._sealed[0].segment if self._sealed else self._seg)]
             segs += [(i.segment, i.path, i) for i in self._sealed] + [
                 (self._seg, self.directory / segment_name(self._seg), None)

@@ -74,3 +74,49 @@ def test_archiving_a_segment_never_removes_its_only_good_copy(tmp_path: Path, da
     finally:
         log.close()
     assert sum(1 for _ in LogReader(d).records()) == 60
+
+
+def interrupted_archive(root: Path) -> tuple[Path, Path, Path]:
+    """A log whose segments 1 and 2 were archived, then segment 2's active file put back: an archive killed after
+    the manifest listed its copy and before it removed the active file. Returns (log dir, segment 2's active file,
+    its archived copy)."""
+    d = root / "QM1"
+    with RecordLog(d, "QM1", segment_bytes=1024) as log:
+        for i in range(60):
+            log.append({"k": "END", "l": 1000 + i, "u": f"u{i}", "pad": "." * 100})
+        log.force()
+        moved = log.archive(3, root / "archive")
+    assert [m.segment for m in moved] == [1, 2]
+    active, copy = d / segment_name(2), moved[1].path
+    active.write_bytes(copy.read_bytes())
+    return d, active, copy
+
+
+@pytest.mark.parametrize("copy_state", ["missing", "damaged"])
+def test_an_interrupted_archive_keeps_the_active_file_when_its_copy_is_not_good(tmp_path: Path,
+                                                                              copy_state: str) -> None:
+    """The open finishes an interrupted archive by removing the active file, which is then the only other copy:
+    only once the archived copy reads as the active file's bytes. A copy gone (the archive's volume not mounted
+    at the restart) or damaged leaves the active file in place, read by every reader, until a later open finds the
+    copy good again; nothing of the log is lost."""
+    d, active, copy = interrupted_archive(tmp_path)
+    kept = copy.read_bytes()
+    if copy_state == "missing":
+        copy.unlink()
+    else:
+        copy.write_bytes(kept[:-10] + b"\0" * 10)
+    with RecordLog(d, "QM1", segment_bytes=1024) as log:
+        assert active.is_file()
+        assert [r["l"] for _, r in log.records()] == list(range(1000, 1060))
+    assert [r["l"] for _, r in LogReader(d).records()] == list(range(1000, 1060))
+    copy.write_bytes(kept)  # the archive back as it was: the next open finishes the archive
+    with RecordLog(d, "QM1", segment_bytes=1024) as log:
+        assert not active.exists()
+        assert [r["l"] for _, r in log.records()] == list(range(1000, 1060))
+
+
+def test_an_interrupted_archive_with_a_good_copy_is_finished_at_the_open(tmp_path: Path) -> None:
+    d, active, _ = interrupted_archive(tmp_path)
+    with RecordLog(d, "QM1", segment_bytes=1024) as log:
+        assert not active.exists()
+        assert [r["l"] for _, r in log.records()] == list(range(1000, 1060))
