@@ -51,9 +51,11 @@ class LogReader:
             segno, path = segs[0]
             with open(path, "rb") as f:
                 header = read_header(f, path, allow_partial=len(segs) == 1)
-            if header is None:
-                raise LogFormatError(f"{path}: segment header is incomplete; member unknown")
-            self.member = header.member
+            # A member killed while it made its log's first segment (no manifest yet, the header not all written)
+            # logged nothing: its log is empty, and named by its directory, as the product lays logs out
+            # (<log root>/<member>), until the member's restart writes the header. Peer recovery and restore read
+            # it as empty rather than fail on it while the member is down.
+            self.member = header.member if header is not None else self.directory.name
 
     def _scan(self, segno: int, path: Path, *, is_last: bool, start_offset: int = 0,
               expected: SegmentInfo | None = None) -> SegmentScan:
