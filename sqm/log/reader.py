@@ -63,7 +63,13 @@ class LogReader:
         if not path.exists():
             # Archived by its running writer since this reader listed the segments: the archive lists the copy
             # before the active file goes (RecordLog.archive), so the manifest read now names it.
-            moved = {i.segment: i.path for i in archived_segments(read_manifest(self.directory))}.get(segno)
+            manifest = read_manifest(self.directory)
+            moved = {i.segment: i.path for i in archived_segments(manifest)}.get(segno)
+            if moved is None and segno < int((manifest or {}).get("pruned", 0)):
+                # Released and reused (a circular log's ring) or pruned since this reader listed the segments.
+                raise LogFormatError(f"{path}: segment {segno} of {self.member} was released by its running writer "
+                                     "while this read its log (a circular log's ring reused it, or a prune): its "
+                                     "records are no longer in the log; read again from its oldest segment")
             path = moved or path
         return SegmentScan(path, segno, self.member, is_last=is_last, start_offset=start_offset, expected=expected)
 

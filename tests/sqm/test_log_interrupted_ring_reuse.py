@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sqm.log import LogReader, RecordLog
+from sqm.log import LogFormatError, LogReader, RecordLog
 from sqm.log.format import read_manifest, segment_name
 
 # A child that appends forced records to a ring of 3 segments, releasing each sealed segment, and kills itself at
@@ -69,3 +69,23 @@ def test_a_reader_reads_a_ring_log_killed_while_reusing_a_segment(tmp_path: Path
     assert not (reopened / segment_name(pruned - 1)).exists()
     lrsns = [r["l"] for r in read]
     assert lrsns == list(range(lrsns[0], lrsns[0] + len(lrsns)))  # every record the ring still holds, in order
+
+
+def test_a_reader_whose_segment_the_running_ring_reuses_says_so_in_one_line(tmp_path: Path) -> None:
+    """A reader (the printer on a live member, say) that listed a circular log's segments, then found one released
+    and reused by the running writer before it got there: its records are no longer in the log. The reader says
+    so, naming the segment, not a missing file's traceback; read again, the log reads from its oldest segment."""
+    d = tmp_path / "QM1"
+    with RecordLog(d, "QM1", segment_bytes=1024, ring=4) as log:
+        for i in range(12):
+            log.append_forced({"k": "NOTE", "l": i + 1, "pad": "." * 100})
+        reading = LogReader(d).records()
+        next(reading)
+        for i in range(12, 60):
+            log.append_forced({"k": "NOTE", "l": i + 1, "pad": "." * 100})
+            log.release_below(log.end_position().segment)
+        with pytest.raises(LogFormatError, match="segment 2 of QM1 was released by its running writer while this "
+                                                 "read its log"):
+            list(reading)
+        again = [r["l"] for _, r in LogReader(d).records()]
+        assert again == list(range(again[0], 61))
