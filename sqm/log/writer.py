@@ -594,12 +594,19 @@ class RecordLog:
         circular ring reuses its oldest segment, only once it is released (release_below); else LogFullError, and
         nothing is appended or overwritten."""
         reuse = None
+        shed: list[SegmentInfo] = []
         if self.ring and len(self._sealed) + 1 >= self.ring:
             oldest = self._sealed[0]
             if oldest.segment >= self._reusable_below:
                 raise LogFullError(f"{self.directory}: circular log full: all {self.ring} segments hold records "
                                    f"recovery still needs (oldest, segment {oldest.segment}, is not released)")
             reuse = oldest
+            # A ring lowered since its files were made (--log-ring at a restart): the released segments after the
+            # one reused, beyond the ring, are removed, so that its files come down to the ring as they are released.
+            for info in self._sealed[1:len(self._sealed) + 1 - self.ring + 1]:
+                if info.segment >= self._reusable_below:
+                    break
+                shed.append(info)
         self._write_locked()
         try:
             with self.stats.fsync_seconds.time():
@@ -628,12 +635,15 @@ class RecordLog:
         self._fd = -1
         try:
             if reuse is not None:
-                self._sealed.remove(reuse)
-                self._pruned = reuse.segment + 1
-                self._note_pruned([reuse.max_lrsn])
+                for info in (reuse, *shed):
+                    self._sealed.remove(info)
+                self._pruned = (shed[-1] if shed else reuse).segment + 1
+                self._note_pruned([i.max_lrsn for i in (reuse, *shed)])
                 self._write_manifest_locked()  # first: a crash before the rename leaves an unlisted, readable segment
+                for info in shed:  # below the pruned mark: a crash before its removal leaves it to the next open
+                    info.path.unlink()
                 self._fd = self._reuse_segment(reuse.path, segno)
-                self.stats.segments -= 1
+                self.stats.segments -= 1 + len(shed)
             else:
                 self._fd = self._create_segment(segno)
         except OSError as e:

@@ -89,3 +89,25 @@ def test_a_reader_whose_segment_the_running_ring_reuses_says_so_in_one_line(tmp_
             list(reading)
         again = [r["l"] for _, r in LogReader(d).records()]
         assert again == list(range(again[0], 61))
+
+
+def test_a_ring_lowered_at_a_restart_shrinks_to_it_as_its_segments_are_released(tmp_path: Path) -> None:
+    """`--log-ring` lowered: the files of the larger ring beyond the new one are removed at the rolls, once released
+    (never one recovery needs), so that the ring's disk use comes down to what the operator set; the log reads on."""
+    d = tmp_path / "QM1"
+    with RecordLog(d, "QM1", segment_bytes=1024, ring=6) as log:
+        for i in range(40):
+            log.append_forced({"k": "NOTE", "l": i + 1, "pad": "." * 100})
+            if len(log.segments()) == 6:
+                break
+    assert len(list(d.glob("seg-*.log"))) == 6
+    with RecordLog(d, "QM1", segment_bytes=1024, ring=3) as log:
+        for i in range(60, 120):
+            log.release_below(log.end_position().segment)
+            log.append_forced({"k": "NOTE", "l": i + 1, "pad": "." * 100})
+        assert len(list(d.glob("seg-*.log"))) == 3
+        assert len(log.segments()) == 3
+        tail = [r["l"] for _, r in log.records()]
+    assert [r["l"] for _, r in LogReader(d).records()] == tail == list(range(tail[0], 121))
+    with RecordLog(d, "QM1", segment_bytes=1024, ring=3) as log:  # and it opens as that ring
+        assert len(log.segments()) == 3
