@@ -39,7 +39,7 @@ from redis.backoff import NoBackoff
 from redis.client import Pipeline
 from redis.retry import Retry
 
-from cfemu import keys, rcluster, resp, server_module
+from cfemu import duplex, keys, rcluster, resp, server_module
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
 from cfemu.redis_internals import hiredis_io, pack, packs_with_hiredis, plain_socket, reply_error, socket_of
@@ -1334,6 +1334,18 @@ def activate(owner: Owner, sdef: StructureDef, *, gen: int, clock: int, floor: i
         pipe.hset(meta, mapping=header)  # type: ignore[arg-type]
 
     owner.transaction(stage)
+    # On a duplexed CF the switch counts once the secondary has it, and with it everything the owner wrote before
+    # (one replication stream), as a member's operation counts: a promotion could otherwise bring back a
+    # structure this restore had reported ACTIVE as it was before the restore.
+    if duplex.pair_of(owner.client) is not None:
+        try:
+            duplex.run_confirmed(owner.client, [])
+        except duplex.DuplexUnconfirmedError as e:
+            raise duplex.DuplexUnconfirmedError(
+                f"structure {sdef.name} is ACTIVE on the duplexed CF's primary, but its secondary did not acknowledge "
+                "the switch and the pair was not degraded to simplex: should the primary be lost before the pair "
+                "settles, the secondary promoted may hold the structure as it was before; check its state then "
+                "(cfemu status), and restore it again if it is not ACTIVE") from e
 
 
 class Purged(NamedTuple):

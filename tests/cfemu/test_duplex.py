@@ -199,3 +199,24 @@ def test_a_wait_reply_is_never_read_as_the_mode_when_another_thread_changed_the_
     monkeypatch.setattr(duplex, "confirm_after", racing)
     with pytest.raises(duplex.DuplexUnconfirmedError):
         _put(cf, caller, 2)
+
+
+def test_a_restores_switch_to_active_counts_only_once_the_secondary_has_it(pair: Pair) -> None:
+    """A restore's (or a purge's) last write, the structure ACTIVE again, is confirmed as a member's operation is:
+    with the secondary lost and the pair not degraded, the restore is not reported done (a promotion could bring
+    back the structure as it was before the restore); with the pair degraded, it is."""
+    from cfemu import bulk
+
+    client = connect(pair.url("operator"), socket_timeout=5)
+    state = duplex.pair_of(client)
+    assert state is not None
+    state.settle_s = 0.6
+    sdef = Admin(client).structure_def("APP1")
+    with bulk.claim(client, "APP1", bulk.observe(client, "APP1")) as owner:
+        pair.servers[1].kill()
+        with pytest.raises(duplex.DuplexUnconfirmedError, match="APP1 is ACTIVE on the duplexed CF's primary, but"):
+            bulk.activate(owner, sdef, gen=5, clock=6, floor=5, entries=0, nbytes=0)
+    duplex_control.set_mode(pair.control(0), "SIMPLEX")  # the controller degrades the pair
+    with bulk.claim(client, "APP1", bulk.observe(client, "APP1")) as owner:
+        bulk.activate(owner, sdef, gen=7, clock=8, floor=7, entries=0, nbytes=0)
+    assert pair.harness(0).hget("{APP1}:meta", "state") == b"ACTIVE"
