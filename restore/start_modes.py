@@ -35,6 +35,7 @@ from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
 from cfemu.errors import StructureFailedError
+from cfemu.private_files import refuse_others_writing
 from cfemu.progress import Progress, no_progress
 from cfemu.pstore import COLD, HOT, WARM, check_mode, record_warm_generation, start_mode
 from cfemu.repository import GroupRepository
@@ -120,6 +121,10 @@ def warm_start(client: redis.Redis, structure: str, *, backup_root: Path, log_ro
     """The WARM start (module doc): the structure empty and ACTIVE in a new generation, persistent store
     disconnected, no restore point. Returns the generation. seen: the structure as the caller saw it when it chose
     the start (bulk.observe; default: now): a restore that completed since is refused, not emptied."""
+    # Refused before anything is read, as a purge and a restore refuse it: whoever can write the log root could hand
+    # the start definitions of their own (a lost CF's come from its group repository) and logs whose commits decide
+    # its tombstones, and the start records its generation in that repository.
+    refuse_others_writing(Path(log_root))
     admin = Admin(client)
     repo = GroupRepository(log_root)
     seen = seen if seen is not None else bulk.observe(client, structure)
