@@ -5,7 +5,8 @@ into another CF (another redis-server, another group, a Redis Cluster), with a h
 It lives on the backup floor because it is made of the backup's parts: the unload is written in the backup's file
 format (backup.files: CRC32C frames in entry files, a manifest signed with the group's backup key), and both sides
 read and write the CF only through cfemu.bulk (its pipelined reads; a restore's claim, guarded Loader, verify and
-activate on the target). It imports cfemu and backup only; qsg.migrate_cli is its command line.
+activate on the target). It imports cfemu, backup and of sqm the failpoints and what finds the newest relog
+pass in a group's logs; qsg.migrate_cli is its command line.
 
 The source while it runs and after: the unload sets the structure's state to MIGRATING in one transaction that
 also checks that no unit of work holds entries there (WATCH on the header and the UOW records: a member that joins
@@ -83,6 +84,8 @@ from cfemu.credentials import BackupKeys
 from cfemu.progress import Progress, no_progress
 from cfemu.repository import GroupRepository, RepositoryError
 from sqm.core.failpoints import failpoint
+from sqm.core.relog import newest_pass
+from sqm.log import LogCorruptError, LogFormatError, find_log_dirs
 
 MIGRATION_FORMAT = 1  # the unload's format: a load refuses another
 KIND = "cfemu-migration-unload"
@@ -687,6 +690,14 @@ def load(client: redis.Redis, directory: str | Path, *, structure: str | None = 
         keys.check_name("group", group)
     found = handshake(client, manifest, S, group=group, restart=restart)
     _refuse_migrated_away(client, S, info, group, log_root, default_log_root)
+    # The newest relog pass of the structure in the target group's logs before the load holds none of what is
+    # loaded: a restore must not start from it (restore.run), as from a backup begun before the load. Read before
+    # anything is written: a log it cannot read refuses the load, changing nothing.
+    try:
+        newest = newest_pass(find_log_dirs(Path(log_root)), S) if log_root is not None else None
+    except (LogCorruptError, LogFormatError) as e:
+        raise MigrationError(f"loading structure {S}: the target group's logs under {log_root} cannot be read "
+                             f"({e}): nothing was loaded") from None
     report_path = Path(report) if report is not None else Path(directory) / LOAD_REPORT
     if report_path.exists():
         if not (restart and found["partial"]):
@@ -735,7 +746,8 @@ def load(client: redis.Redis, directory: str | Path, *, structure: str | None = 
     if log_root is not None:
         repo = GroupRepository(log_root)
         repo.adopt([sdef], [QueueDef.from_dict(q) for q in queues_raw])
-        repo.record_loaded(S, str(info["id"]), unload=str(Path(directory).resolve()))
+        repo.record_loaded(S, str(info["id"]), unload=str(Path(directory).resolve()),
+                           pass_before=None if newest is None else {"member": newest[0], "e": int(newest[1]["e"])})
     result.seconds = time.monotonic() - t0
     return result
 

@@ -341,12 +341,18 @@ class GroupRepository:
             self.update(change)
         return found[0] if found else None
 
-    def record_loaded(self, structure: str, migration: str, *, unload: str) -> None:
+    def record_loaded(self, structure: str, migration: str, *, unload: str,
+                      pass_before: Mapping[str, Any] | None = None) -> None:
         """`structure` was loaded here by `migration` from `unload`: none of what was loaded is in this group's logs,
-        so until a backup or a complete relog pass holds it, a restore from the definition alone would lose it."""
+        so until a backup or a complete relog pass taken since holds it, a restore from the definition alone, from a
+        backup begun before the load or from `pass_before` (the newest complete relog pass of the structure in this
+        group's logs when it was loaded: {member, e}) would lose it (restore.run). The time is to the microsecond: a
+        backup begun in the second before the load is before it."""
         def change(state: State) -> None:
-            state.setdefault(LOADED, {})[structure] = {"migration": migration, "unload": unload,
-                                                       "loaded_at": _iso()}
+            state.setdefault(LOADED, {})[structure] = {
+                "migration": migration, "unload": unload,
+                "loaded_at": datetime.now(UTC).isoformat(timespec="microseconds"),
+                "pass_before": dict(pass_before) if pass_before is not None else None}
         self.update(change)
 
     def loaded(self, structure: str) -> dict[str, Any] | None:

@@ -201,19 +201,40 @@ def choose_start(structure: str, backup: Backup | DefinitionBase | None, log_dir
 
 
 def _refuse_loaded_from_definition(repo: GroupRepository, structure: str, manifest: Mapping[str, Any]) -> None:
-    """RestoreError when the base is the structure's definition alone and a store migration loaded it: what was
-    loaded is in no log of this group, only in a backup or a complete relog pass taken since, and there is
-    neither; restored from its definition the structure would be served without it."""
+    """RestoreError when a store migration loaded the structure and the base holds none of what was loaded: what was
+    loaded is in no log of this group, only in a backup or a complete relog pass taken since the load. Such a base
+    is the structure's definition alone, a backup or restore point begun before the load, or the relog pass that
+    was the newest when it loaded (the target group's own history of the structure, which a load does not cut as a
+    purge's point does): restored from it, the structure would be served without what was loaded, and as it was
+    before the load. Begun before the load: by its `started_at`, against the load's time (both UTC wall clocks:
+    a backup's host whose clock is behind the load's refuses more, never less)."""
     loaded = repo.loaded(structure)
-    if loaded is None or kind_of(manifest) != DEFINITION:
+    if loaded is None:
         return
     unload = loaded.get("unload", "?")
+    kind = kind_of(manifest)
+    if kind == DEFINITION:
+        why = "has had neither a backup nor a complete relog pass since"
+    elif kind == LOGS:
+        before = loaded.get("pass_before")
+        relog = manifest.get("relog_pass") or {}
+        if not isinstance(before, dict) or (before.get("member"), int(before.get("e", 0) or 0)) != (
+                manifest.get("relog_member"), int(relog.get("e", 0) or 0)):
+            return  # a pass made since the load (or a load recorded before passes were: as it was)
+        why = (f"its base, the relog pass of {before.get('member')} ending at LRSN {before.get('e')}, was made "
+               "before the load, and it has had neither a backup nor a complete relog pass since")
+    else:
+        loaded_at, began = _utc(loaded.get("loaded_at")), _utc(manifest.get("started_at"))
+        if loaded_at is None or (began is not None and began >= loaded_at):
+            return
+        why = (f"its base {manifest.get('id', '?')} was begun before the load (at {manifest.get('started_at', '?')}, "
+               f"the load at {loaded.get('loaded_at')}), and it has had no backup since")
     raise RestoreError(
-        f"structure {structure} was loaded by migration {loaded.get('migration', '?')} (from {unload}) and has had "
-        f"neither a backup nor a complete relog pass since: restored from its definition alone it would be served "
-        f"without what was loaded, so nothing was restored; load the unload again ('cfemu migrate load {unload} "
-        f"--report FILE', a new report, after removing {Path(unload) / TARGET_FILE}: this CF is a new store; "
-        f"messages consumed since the load come back), or give them up with 'cfrestore purge {structure}'")
+        f"structure {structure} was loaded by migration {loaded.get('migration', '?')} (from {unload}) and {why}: "
+        f"restored from it, it would be served without what was loaded, so nothing was restored; load the unload "
+        f"again ('cfemu migrate load {unload} --report FILE', a new report, after removing "
+        f"{Path(unload) / TARGET_FILE}: this CF is a new store; messages consumed since the load come back), or give "
+        f"them up with 'cfrestore purge {structure}'")
 
 
 def _definition_base(repo: GroupRepository, structure: str, group: str) -> DefinitionBase | None:
