@@ -38,7 +38,7 @@ The handshake (before anything is written on the target): the manifest is the gr
 format (MIGRATION_FORMAT) and kind, every entry file intact; the target is not the source store (same CF run id and
 structure, or a header that says it is this migration's source, or a group repository that records the structure
 migrated away: _refuse_migrated_away, which outlives a lost source CF); the target structure is empty (no entries, no
-UOW records, no tombstones; not being restored or migrated), its queues are not defined on another structure of the
+UOW records, no tombstones; not being restored or migrated, nor running from a WARM start), its queues are not defined on another structure of the
 target, and the target's group is the one asked for.
 """
 
@@ -650,6 +650,14 @@ def handshake(client: redis.Redis, manifest: Mapping[str, Any], structure: str, 
             raise TargetNotEmptyError(f"structure {structure} is {state} in the target"
                                       f"{' (migration ' + header[FIELD] + ')' if header.get(FIELD) else ''}: "
                                       "not an empty store")
+        if header.get("started") == "WARM":
+            # its persistent content is in its group's backups and logs, kept for its HOT start (docs/pstore.md):
+            # the load would replace the header that says so, and the structure would serve the migration's
+            # messages with no HOT start possible any more (as the unload refuses a WARM source, freeze)
+            raise HandshakeError(f"structure {structure} in the target runs from a WARM start: its persistent "
+                                 "content is in its group's backups and logs, kept for its HOT start; start it HOT "
+                                 f"or COLD first ('cfemu pstore start {structure} --mode COLD'), or load under "
+                                 "another name")
         counts = {"entries": node.hlen(keys.entries(structure)), "units of work": node.hlen(keys.uows(structure)),
                   "tombstones": node.hlen(keys.tomb(structure))}
         busy = {k: int(v) for k, v in counts.items() if int(v)}
