@@ -29,15 +29,20 @@ from typing import Any
 from backup.files import BackupError
 from cfemu import repository
 from cfemu.admin import Admin
+from cfemu.bulk import NotOwnerError
 from cfemu.cf import CF
 from cfemu.clitools import CLIError, Output, add_settings_arguments, cf_name, require_url, settings
 from cfemu.connection import connect
 from cfemu.pstore import COLD, MODES, set_start_mode, status
 from qsg.cli_common import Parser, run_verb
+from restore.load import LoadVerifyError
 from restore.run import RestoreError
 from restore.start_modes import start
+from sqm.log import LogCorruptError, LogFormatError
 
-EXPECTED_ERRORS = (RestoreError, BackupError)
+# A start runs a restore or a purge: it refuses with their errors, each one line as `cfrestore` gives it (a corrupt
+# or foreign log, a load that does not verify, a claim another restore took), never a traceback.
+EXPECTED_ERRORS = (RestoreError, BackupError, LogCorruptError, LogFormatError, LoadVerifyError, NotOwnerError)
 
 
 def _yes_no(value: bool | None) -> str:
