@@ -762,17 +762,31 @@ class Connection(UnitOfWorkScope):
         forced each structure of the UOW is asked how it stands (QueueManager.confirm_prepared, one CF round trip a
         structure): one a restore may rebuild without this PREPARE refuses the vote (BackedOutError)."""
         check_xid(xid)  # before anything: a refused prepare leaves the unit of work open, as it was
-        uow, self.uow = self.uow, None
+        uow = self.uow
         if uow is None:
             raise BadRequestError("no unit of work to prepare")
         qm = self.qm
         qm.check_usable()
+        self.uow = None
         if uow.doomed:  # a coordinator's commit would apply work the application was told had failed
             qm.complete(uow, False, reason="a CF call failed")
             raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {uow.doomed}")
-        uow.persistent = True
+        was_persistent, was_doomed = uow.persistent, uow.doomed
+        uow.persistent = True  # before the append: a checkpoint that sees it in doubt must see it logged
         uow.xid = xid
-        qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)
+        try:
+            qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)
+        except BaseException:
+            if uow.state == INFLIGHT:
+                # No PREPARE can be on disk (the log refused it before writing: LogFailedError): the unit of work
+                # stays the application's, open as it was, to back out (or commit). Taken from the connection, it
+                # held its messages locked, taken by nobody, until the member restarted. Work with nothing logged
+                # is not doomed by the log's failure (non-persistent work goes on).
+                uow.xid = ""
+                if not was_persistent:
+                    uow.persistent, uow.doomed = False, was_doomed
+                self.uow = uow
+            raise
         qm.confirm_prepared(uow)  # a structure that may be restored without this PREPARE: a no vote
         return uow.id
 

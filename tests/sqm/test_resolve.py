@@ -4,14 +4,16 @@ whatever the CF applied (restore.settle). Real redis-server, a real log."""
 
 from __future__ import annotations
 
+import errno
 import threading
 
 import pytest
 
-from cfemu.errors import BadRequestError, InDoubtError
+from cfemu.errors import BadRequestError, InDoubtError, LogFailedError, OutcomeUnknownError
 from sqm.core.connection import XID_MAX_CHARS
 from sqm.core.manager import QueueManager
 from sqm.log import LogReader
+from sqm.log import writer as log_writer
 from sqm.service.protocol import NotAuthorizedError
 
 DECISIONS = ("COMMIT", "BACKOUT")
@@ -119,3 +121,28 @@ def test_an_xid_too_long_empty_or_unprintable_is_refused_and_the_unit_of_work_st
     assert not [r for _, r in LogReader(qm.log_dir).records() if r["k"] == "PREPARE"]
     uow = c.prepare("x" * XID_MAX_CHARS)  # the longest xid there is: prepared
     assert [u.id for u in qm.indoubt()] == [uow]
+
+
+def test_a_prepare_the_log_refuses_leaves_the_unit_of_work_open_and_its_backout_releases_it(
+        qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log cannot be written (a failed fsync): non-persistent work goes on, and a prepare is refused, with no
+    PREPARE on disk. The unit of work must stay the application's, open as it was: its backout makes the message it
+    got available again. Were it dropped from the connection, the message stayed locked, taken by nobody, until
+    the member restarted."""
+    c = qm.connect()
+    c.put("Q1", b"non-persistent", persistent=False, syncpoint=False)
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(log_writer, "_fdatasync", eio)
+    with pytest.raises(OutcomeUnknownError):
+        qm.connect().put("Q1", b"fails the log", syncpoint=False)
+    monkeypatch.undo()
+    assert qm.log_failed
+    assert c.get("Q1").body == b"non-persistent"  # under syncpoint, in the connection's unit of work
+    with pytest.raises(LogFailedError):
+        c.prepare("xid-refused")
+    assert c.uow is not None and c.uow.state == "INFLIGHT" and c.uow.xid == "" and qm.indoubt() == []
+    c.backout()
+    assert qm.connect().get("Q1", syncpoint=False).body == b"non-persistent"
