@@ -96,6 +96,7 @@ class QueueManagerPort(MemberWork, Protocol):
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
                  for_member: str | None = None, pstore_checked: bool = False) -> None: ...
     def confirm_prepared(self, uow: UnitOfWork) -> None: ...
+    def claim_xid(self, uow: UnitOfWork, xid: str) -> None: ...
     def decide_many(self, uows: list[UnitOfWork], logged: list[Record]) -> Decided: ...
     def back_out_later(self, uow: UnitOfWork, why: BaseException) -> None: ...
     def apply_many(self, batches: list[Decided], *, applications: bool = False) -> None: ...
@@ -767,13 +768,13 @@ class Connection(UnitOfWorkScope):
             raise BadRequestError("no unit of work to prepare")
         qm = self.qm
         qm.check_usable()
+        qm.claim_xid(uow, xid)  # an xid in use by another unit of work is refused here, nothing changed
         self.uow = None
         if uow.doomed:  # a coordinator's commit would apply work the application was told had failed
             qm.complete(uow, False, reason="a CF call failed")
             raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {uow.doomed}")
         was_persistent, was_doomed = uow.persistent, uow.doomed
         uow.persistent = True  # before the append: a checkpoint that sees it in doubt must see it logged
-        uow.xid = xid
         try:
             qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)
         except BaseException:

@@ -706,6 +706,20 @@ class Outcomes:
         with self.uow_lock:
             return [u for u in self.uows.values() if u.state == INDOUBT]
 
+    def claim_xid(self, uow: UnitOfWork, xid: str) -> None:
+        """Give ``uow`` the xid it is being prepared with, refused (BadRequestError, nothing changed) while another
+        unit of work of this member holds it: in doubt, being prepared, or resolved with its outcome not yet
+        applied. An xid names one unit of work until it is decided: a coordinator that lost a prepare's reply finds
+        its unit of work by the xid (indoubt) and resolves what it finds, and a second one under the same xid (the
+        branch done again, or another application's) would be committed with it. Checked and set under the UOW
+        table's lock, so two prepares at once cannot both take it."""
+        with self.uow_lock:
+            if any(u.xid == xid and u is not uow for u in self.uows.values()):
+                raise BadRequestError(f"prepare: the xid {xid!r} already names a unit of work in doubt on "
+                                      f"{self.name} (an xid names one until it is resolved); this unit of work "
+                                      "stays open")
+            uow.xid = xid
+
     def resolve(self, uow_id: str, commit: bool, *, check: Callable[[UnitOfWork], None] | None = None) -> None:
         """Resolve an in-doubt UOW (the external coordinator's decision), also after a restart. check (a caller's
         authorization: it raises to refuse) is run on the UOW found in doubt, before anything is done: a check made

@@ -146,3 +146,21 @@ def test_a_prepare_the_log_refuses_leaves_the_unit_of_work_open_and_its_backout_
     assert c.uow is not None and c.uow.state == "INFLIGHT" and c.uow.xid == "" and qm.indoubt() == []
     c.backout()
     assert qm.connect().get("Q1", syncpoint=False).body == b"non-persistent"
+
+
+def test_a_prepare_with_an_xid_already_in_doubt_is_refused_and_its_unit_of_work_stays_open(qm: QueueManager) -> None:
+    """An xid names one unit of work in doubt on a member: its coordinator finds it by that xid (indoubt) after a
+    lost reply and resolves what it finds. A second unit of work prepared under the same xid (a coordinator that
+    did the branch again after its prepare's reply was lost, or another application) would be found and committed
+    with it: its messages put twice. It is refused, untouched; once the first is resolved the xid is free again."""
+    first = _prepared(qm, b"first", "xid-once")
+    again = qm.connect()
+    again.put("Q1", b"again")
+    with pytest.raises(BadRequestError, match="xid-once.*already"):
+        again.prepare("xid-once")
+    assert again.uow is not None and again.uow.state == "INFLIGHT" and again.uow.xid == ""
+    assert [u.id for u in qm.indoubt()] == [first]
+    assert [r["u"] for _, r in LogReader(qm.log_dir).records() if r["k"] == "PREPARE"] == [first]
+    qm.resolve(first, True)
+    second = again.prepare("xid-once")  # the first is decided: its xid may name another unit of work
+    assert [u.id for u in qm.indoubt()] == [second]
