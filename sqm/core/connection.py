@@ -775,8 +775,14 @@ class Connection(UnitOfWorkScope):
             raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {uow.doomed}")
         was_persistent, was_doomed = uow.persistent, uow.doomed
         uow.persistent = True  # before the append: a checkpoint that sees it in doubt must see it logged
+        # Claimed (as a resolve claims it: QueueManager.resolve) from before its PREPARE until its vote is known: it
+        # is listed in doubt from the append on, and a resolve while the structures are asked (a CF round trip,
+        # seconds when the CF does not answer) would log its decision beside the prepare's own no vote, COMMIT and
+        # BACKOUT both, of which a restore follows the last. A resolve meanwhile is refused, "being resolved".
+        uow.resolving = True
         try:
             qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)
+            qm.confirm_prepared(uow)  # a structure that may be restored without this PREPARE: a no vote
         except BaseException:
             if uow.state == INFLIGHT:
                 # No PREPARE can be on disk (the log refused it before writing: LogFailedError): the unit of work
@@ -788,7 +794,8 @@ class Connection(UnitOfWorkScope):
                     uow.persistent, uow.doomed = False, was_doomed
                 self.uow = uow
             raise
-        qm.confirm_prepared(uow)  # a structure that may be restored without this PREPARE: a no vote
+        finally:
+            uow.resolving = False  # the vote is known (or the prepare failed): its coordinator may resolve it
         return uow.id
 
 

@@ -9,9 +9,17 @@ import threading
 
 import pytest
 
-from cfemu.errors import BadRequestError, InDoubtError, LogFailedError, OutcomeUnknownError
+from cfemu.errors import (
+    BackedOutError,
+    BadRequestError,
+    InDoubtError,
+    LogFailedError,
+    OutcomeUnknownError,
+    StructureFailedError,
+)
 from sqm.core.connection import XID_MAX_CHARS
 from sqm.core.manager import QueueManager
+from sqm.core.uow import UnitOfWork
 from sqm.log import LogReader
 from sqm.log import writer as log_writer
 from sqm.service.protocol import NotAuthorizedError
@@ -164,3 +172,45 @@ def test_a_prepare_with_an_xid_already_in_doubt_is_refused_and_its_unit_of_work_
     qm.resolve(first, True)
     second = again.prepare("xid-once")  # the first is decided: its xid may name another unit of work
     assert [u.id for u in qm.indoubt()] == [second]
+
+
+def test_a_resolve_while_the_prepare_still_takes_its_vote_is_refused_and_one_decision_is_logged(
+        qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After its PREPARE is forced, a prepare asks each structure how the unit of work stands (a CF round trip,
+    seconds when the CF does not answer); meanwhile the unit of work is listed in doubt. An operator's resolve then
+    must not decide it beside the prepare's own no vote: COMMIT and BACKOUT both logged, the operator told it
+    committed, the coordinator told it backed out, and a restore following the last (BACKOUT) while the CF holds
+    it committed. The resolve is refused, "being resolved", until the vote is known."""
+    c = qm.connect()
+    c.put("Q1", b"voted on")
+    asked, answer = threading.Event(), threading.Event()
+
+    def standing_not_answering(uow: UnitOfWork, sname: str) -> str:  # the CF does not answer, slowly
+        asked.set()
+        answer.wait(10)
+        failed = StructureFailedError("the CF did not answer (injected)")
+        failed.no_answer = True
+        raise failed
+
+    monkeypatch.setattr(qm, "_standing", standing_not_answering)
+    voted: dict[str, object] = {}
+
+    def prepare() -> None:
+        try:
+            voted["prepare"] = c.prepare("xid-voting")
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            voted["prepare"] = e
+
+    t = threading.Thread(target=prepare)
+    t.start()
+    try:
+        assert asked.wait(10)
+        [uow] = qm.indoubt()  # listed in doubt while its vote is taken
+        with pytest.raises(BadRequestError, match="being resolved"):
+            qm.resolve(uow.id, True)  # the operator's heuristic commit
+    finally:
+        answer.set()
+        t.join(10)
+    assert isinstance(voted["prepare"], BackedOutError), voted
+    assert _decisions(qm, uow.id) == ["BACKOUT"]
+    assert qm.indoubt() == []
