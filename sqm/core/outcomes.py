@@ -715,9 +715,9 @@ class Outcomes:
         table's lock, so two prepares at once cannot both take it."""
         with self.uow_lock:
             if any(u.xid == xid and u is not uow for u in self.uows.values()):
-                raise BadRequestError(f"prepare: the xid {xid!r} already names a unit of work in doubt on "
-                                      f"{self.name} (an xid names one until it is resolved); this unit of work "
-                                      "stays open")
+                raise BadRequestError(f"prepare: the xid {xid!r} already names a unit of work on {self.name}, in "
+                                      "doubt or its resolution not yet applied (an xid names one until then); this "
+                                      "unit of work stays open")
             uow.xid = xid
 
     def resolve(self, uow_id: str, commit: bool, *, check: Callable[[UnitOfWork], None] | None = None) -> None:
