@@ -4,8 +4,11 @@ whatever the CF applied (restore.settle). Real redis-server, a real log."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -22,6 +25,7 @@ from sqm.core.manager import QueueManager
 from sqm.core.uow import UnitOfWork
 from sqm.log import LogReader
 from sqm.log import writer as log_writer
+from sqm.service import queue_ops
 from sqm.service.protocol import NotAuthorizedError
 
 DECISIONS = ("COMMIT", "BACKOUT")
@@ -37,18 +41,23 @@ def _prepared(qm: QueueManager, body: bytes, xid: str) -> str:
     return c.prepare(xid)
 
 
-def test_a_second_resolve_while_one_is_under_way_is_refused_and_one_decision_is_logged(qm: QueueManager) -> None:
+def test_a_second_resolve_while_one_is_under_way_is_refused_and_one_decision_is_logged(
+        qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
     uow = _prepared(qm, b"prepared", "xid-race")
     first_in, release = threading.Event(), threading.Event()
     outcome: dict[str, object] = {}
+    complete = qm.complete
 
-    def held_in_its_check(_uow: object) -> None:  # the first resolve's authorization check: it waits here
+    def held_before_its_decision(*args: Any, **kw: Any) -> None:  # the first resolve, claimed: it waits here
         first_in.set()
         release.wait(10)
+        complete(*args, **kw)
+
+    monkeypatch.setattr(qm, "complete", held_before_its_decision)
 
     def first() -> None:
         try:
-            qm.resolve(uow, True, check=held_in_its_check)
+            qm.resolve(uow, True)
             outcome["commit"] = "ok"
         except Exception as e:  # noqa: BLE001 - reported by the assert below
             outcome["commit"] = repr(e)
@@ -62,6 +71,7 @@ def test_a_second_resolve_while_one_is_under_way_is_refused_and_one_decision_is_
     finally:
         release.set()
         t.join(10)
+    monkeypatch.undo()
     assert outcome["commit"] == "ok"
     assert _decisions(qm, uow) == ["COMMIT"]
     assert qm.connect().get("Q1").body == b"prepared"
@@ -214,3 +224,36 @@ def test_a_resolve_while_the_prepare_still_takes_its_vote_is_refused_and_one_dec
     assert isinstance(voted["prepare"], BackedOutError), voted
     assert _decisions(qm, uow.id) == ["BACKOUT"]
     assert qm.indoubt() == []
+
+
+def test_resolves_its_check_refuses_never_make_the_coordinators_resolve_find_it_being_resolved(
+        qm: QueueManager) -> None:
+    """An application that guesses a unit of work's id (predictable: QM.<epoch>.<seq>) but not its xid sends
+    resolve after resolve, each refused by its check. None may claim the unit of work even for a moment: the
+    coordinator's own resolve would then be refused, "being resolved", as often as the guesses come. Real threads,
+    the service's resolve handler for the guesses."""
+    svc, app = SimpleNamespace(qm=qm), SimpleNamespace(role="application")
+    refused = 0
+    for trial in range(30):
+        uow = _prepared(qm, f"m{trial}".encode(), f"xid-{trial}")
+        stop = threading.Event()
+
+        def guess(uow: str = uow, stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                with contextlib.suppress(NotAuthorizedError, BadRequestError):
+                    queue_ops.resolve(svc, app, {"uow": uow, "commit": False, "xid": "a-guess"})  # type: ignore[arg-type]
+
+        guesser = threading.Thread(target=guess)
+        guesser.start()
+        try:
+            qm.resolve(uow, True)  # the coordinator's
+        except BadRequestError as e:
+            assert "being resolved" in str(e), e
+            refused += 1
+        finally:
+            stop.set()
+            guesser.join(10)
+        if _decisions(qm, uow) == []:
+            qm.resolve(uow, True)  # no guess under way now
+        assert _decisions(qm, uow) == ["COMMIT"], trial
+    assert refused == 0, f"the coordinator's resolve was refused, being resolved, {refused} times in 30"
