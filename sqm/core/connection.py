@@ -96,6 +96,7 @@ class QueueManagerPort(MemberWork, Protocol):
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
                  for_member: str | None = None, pstore_checked: bool = False) -> None: ...
     def confirm_prepared(self, uow: UnitOfWork) -> None: ...
+    def claim_xid(self, uow: UnitOfWork, xid: str) -> None: ...
     def decide_many(self, uows: list[UnitOfWork], logged: list[Record]) -> Decided: ...
     def back_out_later(self, uow: UnitOfWork, why: BaseException) -> None: ...
     def apply_many(self, batches: list[Decided], *, applications: bool = False) -> None: ...
@@ -762,18 +763,39 @@ class Connection(UnitOfWorkScope):
         forced each structure of the UOW is asked how it stands (QueueManager.confirm_prepared, one CF round trip a
         structure): one a restore may rebuild without this PREPARE refuses the vote (BackedOutError)."""
         check_xid(xid)  # before anything: a refused prepare leaves the unit of work open, as it was
-        uow, self.uow = self.uow, None
+        uow = self.uow
         if uow is None:
             raise BadRequestError("no unit of work to prepare")
         qm = self.qm
         qm.check_usable()
+        qm.claim_xid(uow, xid)  # an xid in use by another unit of work is refused here, nothing changed
+        self.uow = None
         if uow.doomed:  # a coordinator's commit would apply work the application was told had failed
             qm.complete(uow, False, reason="a CF call failed")
             raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {uow.doomed}")
-        uow.persistent = True
-        uow.xid = xid
-        qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)
-        qm.confirm_prepared(uow)  # a structure that may be restored without this PREPARE: a no vote
+        was_persistent, was_doomed = uow.persistent, uow.doomed
+        uow.persistent = True  # before the append: a checkpoint that sees it in doubt must see it logged
+        # Claimed (as a resolve claims it: QueueManager.resolve) from before its PREPARE until its vote is known: it
+        # is listed in doubt from the append on, and a resolve while the structures are asked (a CF round trip,
+        # seconds when the CF does not answer) would log its decision beside the prepare's own no vote, COMMIT and
+        # BACKOUT both, of which a restore follows the last. A resolve meanwhile is refused, "being resolved".
+        uow.resolving = True
+        try:
+            qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)
+            qm.confirm_prepared(uow)  # a structure that may be restored without this PREPARE: a no vote
+        except BaseException:
+            if uow.state == INFLIGHT:
+                # No PREPARE can be on disk (the log refused it before writing: LogFailedError): the unit of work
+                # stays the application's, open as it was, to back out (or commit). Taken from the connection, it
+                # held its messages locked, taken by nobody, until the member restarted. Work with nothing logged
+                # is not doomed by the log's failure (non-persistent work goes on).
+                uow.xid = ""
+                if not was_persistent:
+                    uow.persistent, uow.doomed = False, was_doomed
+                self.uow = uow
+            raise
+        finally:
+            uow.resolving = False  # the vote is known (or the prepare failed): its coordinator may resolve it
         return uow.id
 
 

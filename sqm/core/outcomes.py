@@ -706,10 +706,27 @@ class Outcomes:
         with self.uow_lock:
             return [u for u in self.uows.values() if u.state == INDOUBT]
 
+    def claim_xid(self, uow: UnitOfWork, xid: str) -> None:
+        """Give ``uow`` the xid it is being prepared with, refused (BadRequestError, nothing changed) while another
+        unit of work of this member holds it: in doubt, being prepared, or resolved with its outcome not yet
+        applied. An xid names one unit of work until it is decided: a coordinator that lost a prepare's reply finds
+        its unit of work by the xid (indoubt) and resolves what it finds, and a second one under the same xid (the
+        branch done again, or another application's) would be committed with it. Checked and set under the UOW
+        table's lock, so two prepares at once cannot both take it."""
+        with self.uow_lock:
+            if any(u.xid == xid and u is not uow for u in self.uows.values()):
+                raise BadRequestError(f"prepare: the xid {xid!r} already names a unit of work on {self.name}, in "
+                                      "doubt or its resolution not yet applied (an xid names one until then); this "
+                                      "unit of work stays open")
+            uow.xid = xid
+
     def resolve(self, uow_id: str, commit: bool, *, check: Callable[[UnitOfWork], None] | None = None) -> None:
         """Resolve an in-doubt UOW (the external coordinator's decision), also after a restart. check (a caller's
-        authorization: it raises to refuse) is run on the UOW found in doubt, before anything is done: a check made
-        by the caller beforehand could find the UOW not yet in doubt and let it through.
+        authorization: it raises to refuse; quick, it runs under the UOW table's lock) is run on the UOW found in
+        doubt, before anything is done: a check made by the caller beforehand could find the UOW not yet in doubt
+        and let it through. It runs before the claim, so that a refused caller never holds the UOW, even for a
+        moment: one guessing ids (they are predictable) would otherwise make its coordinator's resolve find it
+        "being resolved" as often as it guessed.
 
         A UOW has one decision: the first resolve claims it (found in doubt and claimed in one step) and any other
         is refused until the claim ends. A claim ends without a decision only when none was logged (the check
@@ -720,13 +737,13 @@ class Outcomes:
             uow = self.uows.get(uow_id)
             if uow is None or uow.state != INDOUBT:
                 raise BadRequestError(f"unit of work {uow_id} is not in doubt on {self.name}")
+            if check is not None:
+                check(uow)
             if uow.resolving:
                 raise BadRequestError(f"unit of work {uow_id} is being resolved on {self.name}: it takes one "
                                       "resolution")
             uow.resolving = True
         try:
-            if check is not None:
-                check(uow)
             self.complete(uow, commit, reason="resolved by coordinator")
         except BaseException:
             with self.uow_lock:
