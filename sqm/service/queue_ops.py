@@ -315,7 +315,9 @@ def resolve(svc: Service, session: Session, args: dict[str, Any]) -> None:
                                  "the xid it prepared the unit of work with (an operator may resolve any)")
 
     def prepared_with_xid(uow: UnitOfWork) -> None:
-        if not hmac.compare_digest(uow.xid.encode(), xid.encode()):
+        # A unit of work with no xid (a PREPARE logged before xids were kept) is no application's to name: the
+        # operator resolves it.
+        if not uow.xid or not hmac.compare_digest(uow.xid.encode(), xid.encode()):
             raise NotAuthorizedError(f"resolve: unit of work {short(uow_id)} was not prepared with that xid: an "
                                      "application resolves only its own (an operator may resolve any)")
 
@@ -330,7 +332,7 @@ def indoubt(svc: Service, session: Session, args: dict[str, Any]) -> list[dict[s
         if xids is None:
             raise NotAuthorizedError("indoubt: an application lists only its own in-doubt units of work: give "
                                      "their xids (an operator may list all)")
-        wanted = {x for x in xids if isinstance(x, str)}
+        wanted = {x for x in xids if isinstance(x, str) and x}  # no xid names a unit of work with none
         found = [u for u in found if u.xid in wanted]
     return [{"uow": u.id, "xid": u.xid, "owner": u.owner, "structures": sorted(u.structures)} for u in found]
 

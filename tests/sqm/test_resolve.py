@@ -257,3 +257,18 @@ def test_resolves_its_check_refuses_never_make_the_coordinators_resolve_find_it_
             qm.resolve(uow, True)  # no guess under way now
         assert _decisions(qm, uow) == ["COMMIT"], trial
     assert refused == 0, f"the coordinator's resolve was refused, being resolved, {refused} times in 30"
+
+
+def test_a_unit_of_work_in_doubt_with_no_xid_is_no_applications_to_list_or_resolve(qm: QueueManager) -> None:
+    """A unit of work recovered in doubt from a PREPARE with no xid (logged before xids were kept: its xid reads as
+    "") is the operator's to resolve: an application naming the empty xid neither lists nor resolves it."""
+    uow = _prepared(qm, b"old", "xid-old")
+    found = [u for u in qm.indoubt() if u.id == uow]
+    found[0].xid = ""  # as recovered from such a PREPARE (UnitOfWork's replay: rec.get("x", ""))
+    svc, app = SimpleNamespace(qm=qm, service_status=dict), SimpleNamespace(role="application")
+    assert queue_ops.indoubt(svc, app, {"xids": [""]}) == []  # type: ignore[arg-type]
+    with pytest.raises(NotAuthorizedError, match="was not prepared with that xid"):
+        queue_ops.resolve(svc, app, {"uow": uow, "commit": True, "xid": ""})  # type: ignore[arg-type]
+    assert _decisions(qm, uow) == []
+    qm.resolve(uow, False)  # the operator's
+    assert _decisions(qm, uow) == ["BACKOUT"]
