@@ -16,12 +16,12 @@ from backup import migrate
 from backup.migrate_target import TARGET_FILE
 from backup.run import run_backup
 from cfemu.admin import Admin
-from cfemu.connection import connect
 from restore.run import RestoreError
 from restore.start_modes import automatic_start
 from tests.support.group import start_qm
 from tests.support.harness import lose_cf
 from tests.support.messages import drained
+from tests.support.unloads import backed_up_target, unloaded
 
 LOADED = [b"m%d" % i for i in range(5)]
 
@@ -29,26 +29,13 @@ LOADED = [b"m%d" % i for i in range(5)]
 @pytest.mark.parametrize("history", ["relog pass", "backup"])
 def test_a_target_lost_after_a_load_is_not_restored_from_its_history_before_the_load(
         redis_url: str, redis_factory: Any, tmp_path: Path, history: str) -> None:
-    Admin(connect(redis_url)).ensure_structure("APP1", ("Q1",))
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    conn = qm.connect()
-    for body in LOADED:
-        conn.put("Q1", body)
-    conn.commit()
-    qm.stop()
-    migrate.unload(connect(redis_url), "APP1", tmp_path / "mig")
-
+    unloaded(redis_url, tmp_path, LOADED)
     # The target group has its own APP1 already: backed up once (and relogged by its member's checkpoints, unless
     # relogging is off), emptied since: an empty structure takes a load.
     target = redis_factory()
     logs2, backups2 = tmp_path / "logs2", tmp_path / "backups2"
-    Admin(target.client()).ensure_structure("APP1", ("Q1",))
     relog = {} if history == "relog pass" else {"cpl_entries": 0}
-    other = start_qm(target.url, logs2, "QM1", background=False, **relog)
-    c = other.connect()
-    c.put("Q1", b"old")
-    c.commit()
-    run_backup(target.client(), "APP1", backups2, log_root=logs2)
+    other = backed_up_target(target, logs2, backups2, b"old", **relog)
     assert drained(other.connect(), "Q1") == [b"old"]
     other.stop()
     migrate.load(target.client(), tmp_path / "mig", log_root=logs2)
@@ -70,20 +57,10 @@ def test_a_target_lost_after_a_load_is_not_restored_from_its_history_before_the_
 
 def test_a_target_backed_up_after_the_load_is_restored_with_what_was_loaded_over_its_older_history(
         redis_url: str, redis_factory: Any, tmp_path: Path) -> None:
-    Admin(connect(redis_url)).ensure_structure("APP1", ("Q1",))
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    conn = qm.connect()
-    for body in LOADED:
-        conn.put("Q1", body)
-    conn.commit()
-    qm.stop()
-    migrate.unload(connect(redis_url), "APP1", tmp_path / "mig")
+    unloaded(redis_url, tmp_path, LOADED)
     target = redis_factory()
     logs2, backups2 = tmp_path / "logs2", tmp_path / "backups2"
-    Admin(target.client()).ensure_structure("APP1", ("Q1",))
-    other = start_qm(target.url, logs2, "QM1", background=False)
-    run_backup(target.client(), "APP1", backups2, log_root=logs2)
-    other.stop()
+    backed_up_target(target, logs2, backups2).stop()
     migrate.load(target.client(), tmp_path / "mig", log_root=logs2)
     run_backup(target.client(), "APP1", backups2, log_root=logs2)  # the target's first backup after the load
     lose_cf(target.client())

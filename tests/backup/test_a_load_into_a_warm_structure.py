@@ -13,35 +13,20 @@ import pytest
 
 from backup import migrate
 from backup.migrate_target import TARGET_FILE
-from backup.run import run_backup
-from cfemu.admin import Admin
 from cfemu.cf import CF
-from cfemu.connection import connect
 from restore.start_modes import start
 from tests.support.group import start_qm
 from tests.support.harness import lose_cf
 from tests.support.messages import drained
+from tests.support.unloads import backed_up_target, unloaded
 
 
 def test_a_structure_running_from_a_warm_start_is_not_loaded_into(redis_url: str, redis_factory: Any,
                                                                    tmp_path: Path) -> None:
-    Admin(connect(redis_url)).ensure_structure("APP1", ("Q1",))
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    conn = qm.connect()
-    conn.put("Q1", b"migrated")
-    conn.commit()
-    qm.stop()
-    migrate.unload(connect(redis_url), "APP1", tmp_path / "mig")
-
+    unloaded(redis_url, tmp_path, [b"migrated"])
     target = redis_factory()
     logs2, backups2 = tmp_path / "logs2", tmp_path / "backups2"
-    Admin(target.client()).ensure_structure("APP1", ("Q1",))
-    member = start_qm(target.url, logs2, "QM1", background=False)
-    c = member.connect()
-    c.put("Q1", b"kept for the HOT start")
-    c.commit()
-    run_backup(target.client(), "APP1", backups2, log_root=logs2)
-    member.stop()
+    backed_up_target(target, logs2, backups2, b"kept for the HOT start").stop()
     lose_cf(target.client())
     start(target.client(), "APP1", "WARM", backup_root=backups2, log_root=logs2)
 

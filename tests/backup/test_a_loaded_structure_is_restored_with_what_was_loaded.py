@@ -13,12 +13,12 @@ from backup import migrate
 from backup.migrate_target import TARGET_FILE
 from backup.run import run_backup
 from cfemu.admin import Admin
-from cfemu.connection import connect
 from restore.run import RestoreError
 from restore.start_modes import automatic_start
 from tests.support.group import start_qm
 from tests.support.harness import lose_cf
 from tests.support.messages import drained
+from tests.support.unloads import unloaded
 
 LOADED = [b"m%d" % i for i in range(5)]
 
@@ -26,14 +26,7 @@ LOADED = [b"m%d" % i for i in range(5)]
 def _loaded_into_a_target(redis_url: str, redis_factory: Any, tmp_path: Path) -> Any:
     """APP1 with LOADED unloaded from the source CF and loaded into a new target CF (group QSG2, its log root
     logs2). Returns the target."""
-    Admin(connect(redis_url)).ensure_structure("APP1", ("Q1",))
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    conn = qm.connect()
-    for body in LOADED:
-        conn.put("Q1", body)
-    conn.commit()
-    qm.stop()
-    migrate.unload(connect(redis_url), "APP1", tmp_path / "mig")
+    unloaded(redis_url, tmp_path, LOADED)
     target = redis_factory()
     migrate.load(target.client(), tmp_path / "mig", group="QSG2", log_root=tmp_path / "logs2")
     return target
