@@ -43,10 +43,6 @@ MIB = 2**20
 JVM_MIN = 512 * MIB  # below about this a Spark JVM refuses to start (its reserved memory is 300 MiB)
 PYTHON_WORKER_MIN = 512 * MIB
 RESULT_MIN = 32 * MIB
-# A task result up to this size is sent back in the task's own message (Spark's default is 1 MiB, above which it is
-# kept in the block manager and fetched from there): every fetch of the plan (restore.spark_fetch.BUDGET_CAP) fits
-# under it, below spark.rpc.message.maxSize (128 MiB by default).
-DIRECT_RESULT = 100 * MIB
 SPARK_RESERVED = 300 * MIB  # of a JVM's heap, what Spark keeps for itself (spark.testing.reservedMemory)
 
 
@@ -65,9 +61,6 @@ def memory_conf(master: str, memory: int) -> dict[str, str]:
     * spark.driver.maxResultSize: a quarter of the heap beyond Spark's reserved memory, so that one fetch of the
       plan's results (restore.spark_fetch: half of it) is an eighth of what Spark may use there; the driver holds a
       fetch at least twice over while it serves it to Python.
-    * spark.task.maxDirectResultSize (DIRECT_RESULT): a fetch's task results come back in their own messages, not
-      through the block manager, which lost them when the persisted chunks had filled the JVM's memory (a plan of 10M
-      messages in local[2] within 2 GiB: TaskResultLost, after 30 minutes).
     * Each Python worker's aggregation memory (at least PYTHON_WORKER_MIN: under 512m PySpark's shuffle writer
       thinks memory is short and flushes ever smaller batches, a 4x slowdown at 1M records): half of the limit on
       a cluster, a quarter in local[2] (its two workers and the JVM's half: the limit)."""
@@ -76,8 +69,7 @@ def memory_conf(master: str, memory: int) -> dict[str, str]:
     jvm = _mib(heap)
     conf = {"spark.driver.memory": jvm, "spark.executor.memory": jvm,
             "spark.driver.maxResultSize": _mib(max(RESULT_MIN, (heap - SPARK_RESERVED) // 4)),
-            "spark.python.worker.memory": _mib(max(PYTHON_WORKER_MIN, memory // (4 if local else 2))),
-            "spark.task.maxDirectResultSize": _mib(DIRECT_RESULT)}
+            "spark.python.worker.memory": _mib(max(PYTHON_WORKER_MIN, memory // (4 if local else 2)))}
     if local:
         del conf["spark.executor.memory"]  # the driver's JVM runs the tasks
     return conf

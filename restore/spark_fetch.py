@@ -26,10 +26,7 @@ from typing import Any
 from pyspark import StorageLevel
 
 DEFAULT_MAX_RESULT = 2**30  # Spark's own default for spark.driver.maxResultSize
-# Bytes one fetch may bring at most, however high the limit: below spark.task.maxDirectResultSize
-# (restore.spark_conf.DIRECT_RESULT), so that every task's result comes back in its own message and never through
-# the block manager, which under memory pressure loses it (TaskResultLost: a plan of 10M messages within 2 GiB).
-BUDGET_CAP = 96 * 2**20
+BUDGET_CAP = 256 * 2**20  # bytes one fetch may bring at most, however high the limit
 CHUNK_CAP = 8 * 2**20  # bytes of one pickled chunk at most
 
 

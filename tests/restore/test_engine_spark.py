@@ -726,22 +726,17 @@ def test_the_spark_plan_joins_entries_with_outcomes_in_spark_not_in_the_drivers_
 
 
 def test_the_spark_engine_derives_its_memory_settings_from_the_memory_limit() -> None:
-    from restore.spark_conf import DIRECT_RESULT, memory_conf
-    from restore.spark_fetch import BUDGET_CAP
+    from restore.spark_conf import memory_conf
 
-    # a fetch's task results come back in their own messages, never through the block manager (which lost them
-    # under memory pressure), whatever the limit: every fetch is below that size
-    direct = {"spark.task.maxDirectResultSize": "100m"}
-    assert BUDGET_CAP < DIRECT_RESULT
     two = memory_conf("spark://h:7077", 2 * 2**30)  # each JVM a quarter; a fetch an eighth of Spark's share of it
     assert two == {"spark.driver.memory": "512m", "spark.executor.memory": "512m",
-                   "spark.driver.maxResultSize": "53m", "spark.python.worker.memory": "1024m", **direct}
+                   "spark.driver.maxResultSize": "53m", "spark.python.worker.memory": "1024m"}
     # local[...]: the one JVM runs the tasks, holds their persisted chunks and serves the fetches: half the limit,
     # each of the two Python workers a quarter
     assert memory_conf("local[2]", 2 * 2**30) == {"spark.driver.memory": "1024m", "spark.driver.maxResultSize": "181m",
-                                                   "spark.python.worker.memory": "512m", **direct}
+                                                   "spark.python.worker.memory": "512m"}
     assert memory_conf("local[2]", 8 * 2**30) == {"spark.driver.memory": "4096m", "spark.driver.maxResultSize": "949m",
-                                                   "spark.python.worker.memory": "2048m", **direct}
+                                                   "spark.python.worker.memory": "2048m"}
     assert memory_conf("local[2]", 2**20)["spark.driver.memory"] == "512m"  # a JVM needs that much to start
     engine = SparkEngine("local[2]", conf={"spark.driver.memory": "3g"}, memory=2 * 2**30)
     assert engine.conf["spark.driver.memory"] == "3g" and engine.conf["spark.python.worker.memory"] == "512m"
