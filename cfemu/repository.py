@@ -88,8 +88,8 @@ def now_lrsn() -> int:
     return time.time_ns() // 1000
 
 
-def _iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+def _iso(timespec: str = "seconds") -> str:
+    return datetime.now(UTC).isoformat(timespec=timespec)
 
 
 class GroupRepository:
@@ -257,7 +257,7 @@ class GroupRepository:
         `lrsn` and by the time it records (restore.run.refuse_lost_logs). RepositoryError when the group has no
         such member."""
         # to the microsecond: restore compares it with the times backups began (restore.run.refuse_lost_logs)
-        declared: dict[str, Any] = {"declared_at": datetime.now(UTC).isoformat(timespec="microseconds"),
+        declared: dict[str, Any] = {"declared_at": _iso("microseconds"),
                                     "lrsn": int(lrsn), "pending": True}
 
         def change(state: State) -> None:
@@ -351,7 +351,7 @@ class GroupRepository:
         def change(state: State) -> None:
             state.setdefault(LOADED, {})[structure] = {
                 "migration": migration, "unload": unload,
-                "loaded_at": datetime.now(UTC).isoformat(timespec="microseconds"),
+                "loaded_at": _iso("microseconds"),
                 "pass_before": dict(pass_before) if pass_before is not None else None}
         self.update(change)
 

@@ -84,10 +84,10 @@ def copy_verified(src: Path, dst: Path, segment: int, member: str, info: Segment
     return size, digest.hexdigest()
 
 
-def _damage(path: Path, digest: str) -> str:
-    """Why the active segment at path is not the copy's bytes ("" when it is)."""
+def _damage(path: Path, digest: str, other: str = "the archived copy's") -> str:
+    """Why the segment file at path does not hold the bytes of `digest`, those of `other` ("" when it does)."""
     try:
-        return "" if file_digest(path) == digest else "its bytes differ from the archived copy's"
+        return "" if file_digest(path) == digest else f"its bytes differ from {other}"
     except OSError as e:
         return f"it cannot be read ({e.strerror or e})"
 
@@ -165,12 +165,10 @@ def copy_holds(active: Path, copy: Path, segment: int, member: str) -> bool:
     the open finishes it. The copy's volume may be missing at that open (not mounted yet), or the copy damaged: the
     active file is then the only good copy, and stays (readers read it: log_segments) until an open finds the copy
     good. Never copied again here: a missing volume's empty mount point would take the copy in its place."""
-    why = "it is missing" if not copy.is_file() else _damage(copy, file_digest(active))
+    why = "it is missing" if not copy.is_file() else _damage(copy, file_digest(active), "the active file's")
     if why:
         log.warning("%s: log segment %d was archived to %s, but %s: its active file %s is kept, and read, until the "
-                    "copy is good", member, segment, copy, why.replace("its bytes differ from the archived copy's",
-                                                                        "its bytes differ from the active file's"),
-                    active)
+                    "copy is good", member, segment, copy, why, active)
     return not why
 
 

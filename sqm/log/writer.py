@@ -231,18 +231,19 @@ class RecordLog:
         self._group = manifest_group(manifest)
         pruned_lrsn = (manifest or {}).get("pruned_lrsn")
         self._pruned_lrsn = int(pruned_lrsn) if pruned_lrsn is not None else None
-        archived = {i.segment for i in archived_segments(manifest)}
+        archived = {i.segment: i.path for i in archived_segments(manifest)}  # segment -> its archived copy
         trusted = trusted_segments(d, manifest)
         restored = restore_missing(d, self.member, manifest)
         segs = checked_segments(d, manifest)
-        if segs and archived & {n for n, _ in segs[:-1]}:
+        if segs and archived.keys() & {n for n, _ in segs[:-1]}:
             # An archive interrupted after the manifest listed the copy and before the active file was removed: the
             # active file goes once its copy holds its bytes, else it stays for readers (copy_holds).
-            copies = {i.segment: i.path for i in archived_segments(manifest)}
             for segno, path in segs[:-1]:
-                if segno in archived and copy_holds(path, copies[segno], segno, self.member):
+                if segno not in archived:
+                    continue
+                if copy_holds(path, archived[segno], segno, self.member):
                     path.unlink()
-                elif segno in archived:
+                else:
                     self._kept_active.add(segno)
             fsync_directory(d)
             segs = [(n, p) for n, p in segs if n not in archived or n == segs[-1][0]]
@@ -603,7 +604,8 @@ class RecordLog:
             reuse = oldest
             # A ring lowered since its files were made (--log-ring at a restart): the released segments after the
             # one reused, beyond the ring, are removed, so that its files come down to the ring as they are released.
-            for info in self._sealed[1:len(self._sealed) + 1 - self.ring + 1]:
+            excess = len(self._sealed) + 1 - self.ring  # files beyond the ring once this roll has reused one
+            for info in self._sealed[1:1 + excess]:
                 if info.segment >= self._reusable_below:
                     break
                 shed.append(info)
