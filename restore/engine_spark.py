@@ -17,12 +17,14 @@ uows_named / settle):
 
 Within a group, records are put in merged-log order (LRSN, member, segment, offset) and copies in backup-file order
 before the fold sees them: that is the order the local engine reads them in, so ties fold the same way. Each settle
-partition's survivors are sorted in load order by its worker, and the driver appends them to spill files as it
-fetches them, as restore.partitioned's runs: the plan is a restore.partitioned.SpilledPlan, its survivors read by
-the load as a k-way merge of the runs, and the UOWs' decided outcomes, appended to the same spill directory as
-they stream past, read as restore.partitioned's SpilledOutcomes. The driver's memory does not grow with the history
-(what it keeps: counts, the UOWs still open at the failure, and the UOWs the base's copies name). Nothing the driver
-needs is collect()ed whole: every result whose size grows with the backup or the logs comes back through
+partition's survivors are sorted in load order by its worker and written as restore.partitioned's runs: the plan is
+a restore.partitioned.SpilledPlan, its survivors read by the load as a k-way merge of the runs, and the UOWs'
+decided outcomes, in the same spill directory, read as restore.partitioned's SpilledOutcomes. Executors that share
+the driver's spill directory (local[N], a standalone cluster on this machine: spill.share) write those files
+themselves, each task its partition's, and hand back only what the plan sums up; elsewhere the driver fetches the
+rows and appends them to the same files. Either way the driver's memory does not grow with the history (what it
+keeps: counts, the UOWs still open at the failure, and the UOWs the base's copies name). Nothing the driver needs
+is collect()ed whole: every result whose size grows with the backup or the logs comes back through
 restore.spark_fetch.stream, in jobs of bounded bytes under spark.driver.maxResultSize, however many records it
 holds (a plan of 1M records of 1 KiB is 1.07 GB, over the 1 GiB default: a count of records cannot say when to
 stream).
@@ -45,7 +47,7 @@ import time
 import uuid
 import zipfile
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -94,7 +96,7 @@ from restore.plan import (
 from restore.settle import BACKOUT, Outcome, best_copy, decide_outcome, load_key, settle, uows_named
 from restore.spark_conf import memory_conf
 from restore.spark_fetch import stream
-from restore.spill import Partitioned, SpillDir
+from restore.spill import Partitioned, SpillDir, TaskFiles, remove_files, share
 from sqm.core.records import Record, Role, entry_ids, lookup
 from sqm.log import LogFormatError, one_log_per_member
 from sqm.log.format import SegmentInfo, SegmentScan, log_segments, read_manifest, trusted_segments
@@ -351,13 +353,35 @@ def log_stats(keyed: Iterator[tuple[OrderKey, Record]]) -> Iterator[Counter[str]
 
 @dataclass
 class Decided:
-    """What the driver keeps of the UOWs' outcomes it wrote to the "decided" spill files (partitioned's
+    """What the driver keeps of the UOWs' outcomes written to the "decided" spill files (partitioned's
     SpilledOutcomes reads them): how many, and the UOWs still open at the failure or decided by a restore."""
 
     count: int = 0
     in_commit: set[str] = field(default_factory=set)  # committed, no END record yet
     in_doubt: dict[str, str] = field(default_factory=dict)  # in doubt, with records naming the structure: owner
     restore_decided: set[str] = field(default_factory=set)  # backed out by an earlier restore
+    bytes: int = 0  # of the spill files a task wrote
+
+    def take(self, row: tuple[Any, ...], add: Callable[[int, Any], None]) -> None:
+        """One of decide_partition's rows for the driver: an outcome to `add` (its partition, its frame), or a UOW
+        the plan sums up."""
+        tag = row[0]
+        if tag == "o":
+            add(row[1], row[2])
+            self.count += 1
+        elif tag == "c":
+            self.in_commit.add(row[1])
+        elif tag == "i":
+            self.in_doubt[row[1]] = row[2]
+        else:
+            self.restore_decided.add(row[1])
+
+    def merge(self, other: Decided) -> None:
+        self.count += other.count
+        self.in_commit |= other.in_commit
+        self.in_doubt.update(other.in_doubt)
+        self.restore_decided |= other.restore_decided
+        self.bytes += other.bytes
 
 
 def write_decided(rows: Iterable[tuple[Any, ...]], spill: SpillDir, parts: int, buffer_bytes: int) -> Decided:
@@ -366,23 +390,33 @@ def write_decided(rows: Iterable[tuple[Any, ...]], spill: SpillDir, parts: int, 
     decided = Partitioned(spill, "decided", parts, buffer_bytes)
     out = Decided()
     for row in rows:
-        tag = row[0]
-        if tag == "o":
-            decided.add(row[1], row[2])
-            out.count += 1
-        elif tag == "c":
-            out.in_commit.add(row[1])
-        elif tag == "i":
-            out.in_doubt[row[1]] = row[2]
-        else:
-            out.restore_decided.add(row[1])
+        out.take(row, decided.add)
     decided.close()
     return out
 
 
+def decided_by_task(index: int, rows: Iterable[tuple[Any, ...]], spill_path: str, token: str
+                    ) -> Iterator[tuple[int, Decided | None]]:
+    """On an executor that shares the driver's spill directory: write_decided's work for one UOW partition, its
+    file "decided-<index>" written there by this task (spill.TaskFiles); None when it does not share it."""
+    files = TaskFiles.open(Path(spill_path), token, index)
+    if files is None:
+        yield index, None
+        return
+    out = Decided()
+    try:
+        for row in rows:
+            out.take(row, lambda _, frame: files.add("decided", frame))
+        out.bytes = sum(files.commit().values())
+    except BaseException:
+        files.abort()
+        raise
+    yield index, out
+
+
 @dataclass
 class Written:
-    """What the driver keeps of the settled entries it wrote to spill files: counts, and the UOWs that hold
+    """What the driver keeps of the settled entries written to spill files: counts, and the UOWs that hold
     loaded entries (bounded by the work in flight at the failure, not by the history)."""
 
     dispositions: Counter[str] = field(default_factory=Counter)
@@ -391,6 +425,38 @@ class Written:
     loaded_bytes: int = 0
     first: dict[str, int] = field(default_factory=dict)  # UOW -> lowest LRSN of the loaded entries it holds
     held: dict[str, str] = field(default_factory=dict)  # UOW -> owner, of the UOWs holding loaded entries
+    bytes: int = 0  # of the spill files a task wrote
+
+    def take(self, tag: str, i: int, item: Any, run: Callable[[int, Any], None],
+             gone: Callable[[int, Any], None]) -> None:
+        """One of run_of_partition's rows: a survivor to `run`, an entry not loaded to `gone` (each with its
+        partition), or a UOW the plan sums up."""
+        if tag == "d":
+            self.decisions[item] = owner_of(item)
+        elif tag == "h":
+            self.held[item[0]] = item[1]
+        elif tag == "g":
+            self.dispositions[item[1]] += 1
+            gone(i, item)
+        else:
+            run(i, item)
+            self.dispositions[item[2]] += 1
+            self.loaded += 1
+            self.loaded_bytes += len(item[5])
+            holder = item[4].get("u")
+            if holder:
+                lrsn = int(item[4]["l"])
+                self.first[holder] = min(self.first.get(holder, lrsn), lrsn)
+
+    def merge(self, other: Written) -> None:
+        self.dispositions.update(other.dispositions)
+        self.decisions.update(other.decisions)
+        self.loaded += other.loaded
+        self.loaded_bytes += other.loaded_bytes
+        for u, lrsn in other.first.items():
+            self.first[u] = min(self.first.get(u, lrsn), lrsn)
+        self.held.update(other.held)
+        self.bytes += other.bytes
 
 
 def write_runs(rows: Iterable[tuple[str, int, Any]], spill: SpillDir, parts: int, buffer_bytes: int) -> Written:
@@ -401,25 +467,31 @@ def write_runs(rows: Iterable[tuple[str, int, Any]], spill: SpillDir, parts: int
     gone = Partitioned(spill, "gone", parts, buffer_bytes // 2)
     out = Written()
     for tag, i, item in rows:
-        if tag == "d":
-            out.decisions[item] = owner_of(item)
-        elif tag == "h":
-            out.held[item[0]] = item[1]
-        elif tag == "g":
-            out.dispositions[item[1]] += 1
-            gone.add(i, item)
-        else:
-            runs.add(i, item)
-            out.dispositions[item[2]] += 1
-            out.loaded += 1
-            out.loaded_bytes += len(item[5])
-            holder = item[4].get("u")
-            if holder:
-                lrsn = int(item[4]["l"])
-                out.first[holder] = min(out.first.get(holder, lrsn), lrsn)
+        out.take(tag, i, item, runs.add, gone.add)
     runs.close()
     gone.close()
     return out
+
+
+def runs_by_task(index: int, rows: Iterable[tuple[str, Any]], spill_path: str, token: str
+                 ) -> Iterator[tuple[int, Written | None]]:
+    """On an executor that shares the driver's spill directory: write_runs's work for one settle partition, its
+    files "run-<index>" (its survivors, in load order) and "gone-<index>" written there by this task
+    (spill.TaskFiles); None when it does not share it."""
+    files = TaskFiles.open(Path(spill_path), token, index)
+    if files is None:
+        yield index, None
+        return
+    out = Written()
+    try:
+        for tag, i, item in run_of_partition(index, rows):
+            out.take(tag, i, item, lambda _, frame: files.add("run", frame),
+                     lambda _, frame: files.add("gone", frame))
+        out.bytes = sum(files.commit().values())
+    except BaseException:
+        files.abort()
+        raise
+    yield index, out
 
 
 def spilled_plan(structure: str, spill: SpillDir, parts: int, written: Written, decided: Decided,
@@ -539,18 +611,14 @@ class SparkEngine:
                     .persist(StorageLevel.MEMORY_AND_DISK))
             spill = SpillDir(self.work_dir)
             try:
-                decided = write_decided(stream(uows.filter(lambda row: row[0] != "n")), spill, parts,
-                                        buffers_for(self.memory) // 2)
+                token = share(spill)
+                decided = self._decided(uows.filter(lambda row: row[0] != "n"), spill, token, parts)
                 results = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])
                            .union(copies.mapValues(lambda pc: (1, pc)))
                            .union(uows.filter(lambda row: row[0] == "n").map(lambda row: (row[1], (2, row[2]))))
                            .partitionBy(parts).mapPartitions(by_key)
-                           .flatMap(lambda group: settle_group(group, restore_lrsn, now_ms))
-                           .mapPartitionsWithIndex(run_of_partition))
-                # The plan streams back in fetches of bounded bytes, never in one collect (spark_fetch), and goes
-                # straight to spill files: each partition's survivors as a run sorted in load order, the others as
-                # (id, disposition), as restore.partitioned writes them; the driver keeps no entry.
-                written = write_runs(stream(results), spill, parts, buffers_for(self.memory))
+                           .flatMap(lambda group: settle_group(group, restore_lrsn, now_ms)))
+                written = self._written(results, spill, token, parts)
             except BaseException:
                 spill.close()
                 raise
@@ -560,6 +628,41 @@ class SparkEngine:
         self.phase_seconds = phases.seconds
         return spilled_plan(structure, spill, parts, written, decided, restore_lrsn, per_member, max_lrsn,
                             merge_read_size(self.memory, parts))
+
+    # --- the plan's output -----------------------------------------------------------------------------------
+    # Executors that share the driver's spill directory (local[N]; a standalone cluster on this machine) write the
+    # plan's spill files themselves and hand back only what the plan sums up: the settled entries and the outcomes
+    # never pass through the driver (spill.TaskFiles). Where one does not (another machine), everything comes back
+    # through the driver in fetches of bounded bytes (spark_fetch.stream), which it appends to the same files.
+
+    def _decided(self, rows: Any, spill: SpillDir, token: str, parts: int) -> Decided:
+        """The UOWs' outcomes in the spill files "decided-<j>"."""
+        by_task = rows.mapPartitionsWithIndex(partial(decided_by_task, spill_path=str(spill.path), token=token))
+        parts_written = by_task.collect()
+        if all(d is not None for _, d in parts_written):
+            decided = Decided()
+            for _, d in sorted(parts_written, key=lambda t: t[0]):
+                decided.merge(d)
+            spill.bytes_written += decided.bytes
+            return decided
+        remove_files(spill, "decided")
+        return write_decided(stream(rows), spill, parts, buffers_for(self.memory) // 2)
+
+    def _written(self, settled: Any, spill: SpillDir, token: str, parts: int) -> Written:
+        """The settled entries in the spill files "run-<i>" (each partition's survivors, sorted in load order) and
+        "gone-<i>"."""
+        by_task = settled.mapPartitionsWithIndex(partial(runs_by_task, spill_path=str(spill.path), token=token))
+        parts_written = by_task.collect()
+        if all(w is not None for _, w in parts_written):
+            written = Written()
+            for _, w in sorted(parts_written, key=lambda t: t[0]):
+                written.merge(w)
+            spill.bytes_written += written.bytes
+            return written
+        remove_files(spill, "run")
+        remove_files(spill, "gone")
+        return write_runs(stream(settled.mapPartitionsWithIndex(run_of_partition)), spill, parts,
+                          buffers_for(self.memory))
 
     # --- inputs ---------------------------------------------------------------------------------------------
     @staticmethod

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -194,6 +196,100 @@ class Partitioned:
 
     def remove(self, i: int) -> None:
         self.path(i).unlink(missing_ok=True)
+
+
+#: The file of a spill directory that holds its sharing token (share, TaskFiles.open).
+SHARED = ".shared"
+
+
+def share(spill: SpillDir) -> str:
+    """A random token written into the spill directory for processes that may see it or not (a Spark executor on
+    this machine, or on another): one that reads the same token there shares the directory and may write its own
+    files into it (TaskFiles); one that does not (another machine, another user) must hand its frames back."""
+    token = secrets.token_hex(16)
+    fd = open_private(spill.file(SHARED), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return token
+
+
+class TaskFiles:
+    """The spill files one task of another process writes into a spill directory it shares (share): `name`-<index>
+    for each name it adds to. Each is written under a name of its own and renamed whole by commit(), so that a task
+    run twice (a retry, a speculative copy: the same frames) leaves one whole file, never two interleaved; a task
+    that fails leaves only its own unrenamed part files, which the directory's maker removes with it."""
+
+    def __init__(self, path: Path, index: int, buffer_bytes: int = READ_SIZE) -> None:
+        self.path, self.index, self.limit = path, index, buffer_bytes
+        self.attempt = uuid.uuid4().hex
+        self.buffers: dict[str, bytearray] = {}
+        self.fds: dict[str, int] = {}
+        self.sizes: dict[str, int] = {}
+        self.pack = msgpack.Packer(use_bin_type=True).pack
+
+    @classmethod
+    def open(cls, path: Path, token: str, index: int) -> TaskFiles | None:
+        """The task files of task `index` in the spill directory at `path`, or None when this process does not
+        share it (no such directory here, not readable, or another token: another restore's, or another
+        machine's directory of the same name)."""
+        try:
+            with open(path / SHARED, "rb") as f:
+                if f.read() != token.encode():
+                    return None
+        except OSError:
+            return None
+        return cls(path, index)
+
+    def _part(self, name: str) -> Path:
+        return self.path / f"{name}-{self.index}.{self.attempt}.part"
+
+    def add(self, name: str, frame: Any) -> None:
+        buf = self.buffers.setdefault(name, bytearray())
+        buf += self.pack(frame)
+        if len(buf) >= self.limit:
+            self._flush(name)
+
+    def _flush(self, name: str) -> None:
+        buf = self.buffers[name]
+        if not buf:
+            return
+        fd = self.fds.get(name)
+        if fd is None:
+            fd = self.fds[name] = open_private(self._part(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        view = memoryview(buf)
+        while view:
+            view = view[os.write(fd, view):]
+        self.sizes[name] = self.sizes.get(name, 0) + len(buf)
+        self.buffers[name] = bytearray()
+
+    def commit(self) -> dict[str, int]:
+        """Every file written out and renamed to `name`-<index>: the bytes of each."""
+        try:
+            for name in list(self.buffers):
+                self._flush(name)
+        finally:
+            self._close()
+        for name in self.sizes:
+            os.replace(self._part(name), self.path / f"{name}-{self.index}")
+        return dict(self.sizes)
+
+    def abort(self) -> None:
+        self._close()
+        for name in self.sizes:
+            self._part(name).unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+def remove_files(spill: SpillDir, name: str) -> None:
+    """Remove the files `name`-<i> of a Partitioned set (before it is written again another way)."""
+    for path in spill.path.glob(f"{name}-*"):
+        path.unlink(missing_ok=True)
 
 
 class SpillWriter:

@@ -566,11 +566,72 @@ def tiny_max_result_size(spark: Any) -> Iterator[int]:
         yield 80 * 1024
 
 
+def place_executors_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's executors as on other machines: they do not share the driver's spill directory (they are given
+    another token than the one it holds: restore.spill.share), so the plan comes back through the driver."""
+    import restore.engine_spark as engine_spark
+
+    real = engine_spark.share
+    monkeypatch.setattr(engine_spark, "share", lambda spill: real(spill) and "another machine's directory")
+
+
+@pytest.fixture
+def executors_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    place_executors_elsewhere(monkeypatch)
+
+
+def counted_streams(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many items each spark_fetch.stream the Spark engine makes brings through the driver (one count each)."""
+    import restore.engine_spark as engine_spark
+
+    real = engine_spark.stream
+    counts: list[int] = []
+
+    def counting(rdd: Any, budget: int | None = None) -> Iterator[Any]:
+        counts.append(0)
+        for item in real(rdd, budget):
+            counts[-1] += 1
+            yield item
+
+    monkeypatch.setattr(engine_spark, "stream", counting)
+    return counts
+
+
+def test_executors_that_share_the_spill_directory_write_the_plan_themselves(
+        spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Executors on the driver's machine write the settled entries and the UOWs' outcomes into its spill files
+    themselves: nothing whose size grows with the entries comes through the driver (what it streams: the base's
+    UOWs and a count per partition), no task's part file is left, the spill files' bytes are counted, and the plan
+    equals the local engine's. With executors elsewhere the same plan came through the driver, every entry."""
+    h = simulate(random.Random(4), 1500, body_bytes=100)
+    backup, log_dirs = write_history(h, tmp_path / "history", segment_bytes=65536)
+    local = normalized(LocalEngine().plan(S, backup, log_dirs, h.replay_from, NOW_MS))
+    streamed = counted_streams(monkeypatch)
+    plan = SparkEngine(spark=spark, work_dir=tmp_path / "work").plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+    try:
+        assert normalized(plan) == local
+        assert plan.settled_count > 300 and sum(streamed) < plan.settled_count / 10, (streamed, plan.settled_count)
+        files = [f for f in plan.spill.path.iterdir() if f.name.startswith(("run-", "gone-", "decided-"))]
+        assert files and not [f for f in files if f.name.endswith(".part")]
+        assert plan.spill.bytes_written == sum(f.stat().st_size for f in files)
+    finally:
+        plan.close()
+    streamed.clear()
+    place_executors_elsewhere(monkeypatch)
+    plan = SparkEngine(spark=spark, work_dir=tmp_path / "work").plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+    try:
+        assert normalized(plan) == local
+        assert sum(streamed) >= plan.settled_count
+    finally:
+        plan.close()
+
+
 def test_a_plan_bigger_than_max_result_size_comes_back_in_bounded_fetches(
-        spark: Any, tmp_path: Path, tiny_max_result_size: int) -> None:
+        spark: Any, tmp_path: Path, tiny_max_result_size: int, executors_elsewhere: None) -> None:
     """A plan of 1M messages (1.07 GB) is over the 1 GiB default maxResultSize: whether to stream cannot be
     decided by a count of records. Here the limit is 80 KiB and the plan
-    twice that, with a few hundred records only: the plan still comes back whole, equal to the local
+    twice that, with a few hundred records only, and the executors (as on other machines) cannot write the plan
+    into the driver's spill files: the plan still comes back whole, equal to the local
     engine's, and a plain collect() of it does fail under the same limit (the test is not vacuous)."""
     import pickle
 
@@ -645,14 +706,19 @@ def test_b12_a_uow_carried_across_a_restore_and_decided_later_is_decided_by_the_
 
 @pytest.mark.deep
 @pytest.mark.timeout(900)  # some tens of fetch jobs: up to 300 s on a loaded machine when they were 80 KiB each
+@pytest.mark.parametrize("executors", ["here", "elsewhere"])
 def test_the_spark_plan_streams_its_entries_to_spill_files_not_the_drivers_memory(
-        spark: Any, tmp_path: Path) -> None:
-    """The settled entries go from the fetches straight to sorted runs in spill files (a SpilledPlan the load
-    merges), so that the driver's memory does not grow with the history: its peak of Python allocations while it
-    plans is a fraction of the data the plan restores (a list of the settled entries would hold all of it), and
-    the plan still equals the local engine's. The fetches are bounded by a maxResultSize of 512 KiB (fetches of
-    256 KiB: some thirty jobs for the 8 MiB restored), a sixteenth of the data."""
+        spark: Any, tmp_path: Path, executors: str, request: pytest.FixtureRequest) -> None:
+    """The settled entries go to sorted runs in spill files (a SpilledPlan the load merges), written by the
+    executors themselves or, from executors elsewhere, by the driver straight from the fetches, so that the
+    driver's memory does not grow with the history: its peak of Python allocations while it plans is a fraction
+    of the data the plan restores (a list of the settled entries would hold all of it), and the plan still equals
+    the local engine's. The fetches are bounded by a maxResultSize of 512 KiB (fetches of 256 KiB: some thirty
+    jobs for the 8 MiB restored), a sixteenth of the data."""
     import tracemalloc
+
+    if executors == "elsewhere":
+        request.getfixturevalue("executors_elsewhere")
 
     from restore.partitioned import SpilledPlan
 
@@ -683,8 +749,9 @@ def test_the_spark_plan_streams_its_entries_to_spill_files_not_the_drivers_memor
 
 
 @pytest.mark.deep
+@pytest.mark.parametrize("executors", ["here", "elsewhere"])
 def test_the_spark_plan_joins_entries_with_outcomes_in_spark_not_in_the_drivers_memory(
-        spark: Any, tmp_path: Path) -> None:
+        spark: Any, tmp_path: Path, executors: str, request: pytest.FixtureRequest) -> None:
     """The UOWs' outcomes meet the entries that need them in a shuffle by UOW (a hash join in Spark): the driver
     only appends them to spill files as they stream past, so that its memory does not grow with the UOWs. Here
     every UOW's outcome is big (a backout carrying the data of the entry it got, while a backup ran): the driver's
@@ -693,6 +760,9 @@ def test_the_spark_plan_joins_entries_with_outcomes_in_spark_not_in_the_drivers_
     import tracemalloc
 
     from restore.partitioned import SpilledOutcomes
+
+    if executors == "elsewhere":
+        request.getfixturevalue("executors_elsewhere")
 
     h = History(replay_from=1000)
     lrsn = 1000
