@@ -128,6 +128,9 @@ def warm_start(client: redis.Redis, structure: str, *, backup_root: Path, log_ro
     admin = Admin(client)
     repo = GroupRepository(log_root)
     seen = seen if seen is not None else bulk.observe(client, structure)
+    if seen.state == "ACTIVE":  # serving, with its messages: a WARM start would empty it (start() says when one may)
+        raise RestoreError(f"structure {structure} is ACTIVE: a WARM start applies to a structure that failed or was "
+                           "lost with the CF")
     sdef, queues, lost = _definitions_without_backup(admin, repo, structure)
     refuse_missing_member_logs(admin, structure, "a WARM start", Path(log_root))
     keys_ = resolve_keys(backup_keys)

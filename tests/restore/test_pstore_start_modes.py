@@ -117,6 +117,24 @@ def test_cold_needs_a_confirmation_and_starts_empty_for_good(fresh_redis: Embedd
     qm.stop()
 
 
+def test_a_warm_start_called_directly_refuses_an_active_structure_and_empties_nothing(
+        fresh_redis: EmbeddedRedis, dirs: tuple[Path, Path]) -> None:
+    """warm_start is public: called on a structure that serves (not failed, not lost), it is refused by name, as
+    `start` refuses it, and every message stays."""
+    logs, backups = dirs
+    url = fresh_redis.url
+    define_group(url)
+    qm = start_qm(url, logs, "QM1", background=False)
+    c = qm.connect()
+    c.put("Q1", b"kept")
+    c.commit()
+    with pytest.raises(RestoreError, match="APP1 is ACTIVE: a WARM start applies to a structure that failed"):
+        warm_start(fresh_redis.client(), S, backup_root=backups, log_root=logs)
+    assert Admin(qm.redis).state(S) == "ACTIVE" and not warm_generations(GroupRepository(logs), S)
+    assert drained(qm.connect(), "Q1") == [b"kept"]
+    qm.stop()
+
+
 def test_hot_restores_the_content(fresh_redis: EmbeddedRedis, dirs: tuple[Path, Path],
                                   capsys: pytest.CaptureFixture[str]) -> None:
     logs, backups = dirs
