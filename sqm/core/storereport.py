@@ -16,8 +16,10 @@ Each line is written and flushed when its unit of work's outcome is applied; a r
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import threading
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -49,13 +51,42 @@ def _line(entry_id: str, queue: str, correlid: str, length: int, action: str) ->
             "length": length, "action": action}
 
 
+class StoreReportError(PermissionError):
+    """The report's path is not a file of this user's own to append to."""
+
+
+def _open_own(path: Path) -> int:
+    """The report opened for appending, created 0600 if missing. The report names every persistent message's id
+    and queue, and its default place is the current directory, which may be one others write (/tmp): a symbolic
+    link planted there would have the member append to a file of the link's choosing, and a file planted there
+    would hand the lines to its owner. Both are refused, naming the path."""
+    try:
+        fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StoreReportError(f"the store report {path} is a symbolic link: refusing to follow it (name the "
+                                   "file itself)") from None
+        if e.errno == errno.ENXIO:  # a FIFO no one reads (opened without waiting for one)
+            raise StoreReportError(f"the store report {path} is not a regular file: refusing to append to it"
+                                   ) from None
+        raise
+    st = os.fstat(fd)
+    why = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+           else f"belongs to another user (uid {st.st_uid})" if st.st_uid != os.geteuid() else "")
+    if why:
+        os.close(fd)
+        raise StoreReportError(f"the store report {path} {why}: refusing to append to it")
+    os.set_blocking(fd, True)
+    return fd
+
+
 class StoreReport:
     """The open report of one member's run."""
 
     def __init__(self, path: Path, member: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._file = os.fdopen(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a", encoding="utf-8")
+        self._file = os.fdopen(_open_own(path), "a", encoding="utf-8")
         self._write({"report": "pstore", "format": 1, "member": member, **_when()})
 
     def _write(self, line: dict[str, Any]) -> None:
