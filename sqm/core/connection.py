@@ -159,6 +159,9 @@ class Connection(UnitOfWorkScope):
     def __init__(self, qm: QueueManagerPort, gone: ClientWatch | None = None) -> None:
         self.qm = qm
         self.uow: UnitOfWork | None = None
+        # The unit of work this handle prepared last, until the handle begins another: its coordinator's to
+        # resolve, which a commit or backout asked here meanwhile is told (refuse_prepared).
+        self.prepared: UnitOfWork | None = None
         # Set when the application behind this handle has left (the service's client disconnected): a waiting
         # get stops waiting, and a get outside syncpoint that found a message backs it out instead of consuming
         # it for nobody (invariant 1, docs/invariants.md).
@@ -167,6 +170,7 @@ class Connection(UnitOfWorkScope):
     def _current_uow(self) -> UnitOfWork:
         if self.uow is None:
             self.uow = self.qm.new_uow()
+            self.prepared = None
         return self.uow
 
     # --- put ----------------------------------------------------------------------------------------------
@@ -722,10 +726,8 @@ class Connection(UnitOfWorkScope):
     def commit(self) -> None:
         uow, self.uow = self.uow, None
         if uow is None:
+            self.refuse_prepared()
             return
-        if uow.state == INDOUBT:
-            self.uow = uow
-            raise InDoubtError(f"unit of work {uow.id} is prepared: resolve it through the coordinator")
         if uow.doomed:
             self.qm.complete(uow, False, reason="a CF call failed")
             raise BackedOutError(f"unit of work {uow.id} was backed out: {uow.doomed}")
@@ -748,10 +750,8 @@ class Connection(UnitOfWorkScope):
     def backout(self) -> None:
         uow, self.uow = self.uow, None
         if uow is None:
+            self.refuse_prepared()
             return
-        if uow.state == INDOUBT:  # its coordinator decides it (QueueManager.resolve), not the application
-            self.uow = uow
-            raise InDoubtError(f"unit of work {uow.id} is prepared: resolve it through the coordinator")
         if uow.operations == 0 and not uow.doomed:
             self.qm.forget(uow)
             return
@@ -796,7 +796,19 @@ class Connection(UnitOfWorkScope):
             raise
         finally:
             uow.resolving = False  # the vote is known (or the prepare failed): its coordinator may resolve it
+        self.prepared = uow
         return uow.id
+
+    def refuse_prepared(self) -> None:
+        """A commit or backout asked on this handle with no unit of work open, after it prepared one still in
+        doubt: that one is its coordinator's to decide (QueueManager.resolve), not the application's. Answered
+        as a commit or backout of nothing, the application would take its work for done while it stays in doubt,
+        its messages locked."""
+        uow = self.prepared
+        if uow is not None and uow.state == INDOUBT:
+            raise InDoubtError(f"unit of work {uow.id} is prepared (xid {uow.xid}) and in doubt: its coordinator "
+                               "resolves it, not a commit or backout of the application")
+        self.prepared = None
 
 
     def close(self) -> None:

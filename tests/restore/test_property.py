@@ -83,7 +83,7 @@ from backup.run import run_backup
 from cfemu import keys
 from cfemu.cf import CF, Structure
 from cfemu.connection import connect
-from cfemu.errors import BackedOutError, NoMessageError
+from cfemu.errors import BackedOutError, InDoubtError, NoMessageError
 from restore.result import RestoreResult
 from restore.run import run_purge, run_restore
 from sqm.core.connection import Connection
@@ -202,6 +202,7 @@ class Member:
     dead_work: Uow | None = None
     dead_commits: bool = False
     listed: bool = False  # dead, and still in the group's admin structure (a peer can recover it)
+    prepared: str | None = None  # the UOW its connection prepared last, until the connection begins another
 
 
 def purge(client: redis.Redis, backups: Path, logs: Path, structure: str = STRUCTURE) -> Any:
@@ -275,7 +276,7 @@ class RestoreHistory(RuleBasedStateMachine):
     def _start(self, name: str, skew: int, member: Member | None = None) -> Member:
         qm = start_qm(self.redis_url, self.logs, name, background=False, clock_skew_us=skew, lease_ms=LEASE_MS)
         m = member or Member(name, skew, qm, qm.connect())
-        m.qm, m.conn, m.skew, m.alive, m.open = qm, qm.connect(), skew, True, None
+        m.qm, m.conn, m.skew, m.alive, m.open, m.prepared = qm, qm.connect(), skew, True, None, None
         make = qm.new_uow
 
         def new_uow() -> UnitOfWork:
@@ -366,6 +367,8 @@ class RestoreHistory(RuleBasedStateMachine):
           priority=st.integers(0, 2), syncpoint=st.booleans())
     def put(self, i: int, queue: str, persistent: bool, priority: int, syncpoint: bool) -> None:
         mem, queue = self.live(i), self.only.get(queue, queue)
+        if syncpoint:  # its connection begins a UOW (or goes on with its open one): the prepared one is forgotten
+            mem.prepared = None
         seq = next(self.seq)
         body = f"m{seq}".encode()
         what = f"{mem.name} put m{seq} {queue} p{priority} {'P' if persistent else 'NP'}" + \
@@ -395,6 +398,8 @@ class RestoreHistory(RuleBasedStateMachine):
     @rule(i=st.integers(0, 2), queue=st.sampled_from(ALL_QUEUES), syncpoint=st.booleans())
     def get(self, i: int, queue: str, syncpoint: bool) -> None:
         mem, queue = self.live(i), self.only.get(queue, queue)
+        if syncpoint:  # as put's
+            mem.prepared = None
         what = f"{mem.name} get {queue}" + (" in its UOW" if syncpoint else "")
         if syncpoint and mem.open is not None and STRUCTURE_OF[queue] in mem.open.lost_on | mem.open.purged_on:
             with pytest.raises(BackedOutError):
@@ -435,9 +440,23 @@ class RestoreHistory(RuleBasedStateMachine):
         mem.open.lost_on.add(STRUCTURE_OF[queue])
         self.say(f"{what}: refused, its UOW was backed out by recovery")
 
+    def still_in_doubt(self, mem: Member) -> bool:
+        """The UOW the member's connection prepared last is still in doubt: a commit or backout of the application
+        with nothing open is refused (its coordinator resolves it)."""
+        return mem.prepared is not None and (mem.prepared in self.in_doubt or mem.prepared in self.doomed)
+
+    def refused_in_doubt(self, mem: Member, asked: str) -> None:
+        with pytest.raises(InDoubtError):
+            getattr(mem.conn, asked)()
+        self.say(f"{mem.name} {asked}: refused, {mem.prepared} is in doubt")
+        type(self).stats["commits or backouts refused after a prepare"] += 1
+
     @rule(i=st.integers(0, 2))
     def commit(self, i: int) -> None:
         mem = self.live(i)
+        if mem.open is None and self.still_in_doubt(mem):
+            self.refused_in_doubt(mem, "commit")
+            return
         work, mem.open = mem.open, None
         obj = mem.conn.uow
         if work is not None and work.lost_on:
@@ -458,6 +477,9 @@ class RestoreHistory(RuleBasedStateMachine):
     @rule(i=st.integers(0, 2))
     def backout(self, i: int) -> None:
         mem = self.live(i)
+        if mem.open is None and self.still_in_doubt(mem):
+            self.refused_in_doubt(mem, "backout")
+            return
         work, mem.open = mem.open, None
         mem.conn.backout()
         if work is not None:
@@ -492,6 +514,7 @@ class RestoreHistory(RuleBasedStateMachine):
         # A yes vote the coordinator's commit could not honour: its persistent work is gone from a structure.
         assert not work.lost_persistent, f"{what}: accepted, though {sorted(work.lost_on)} lost its persistent work"
         (self.doomed if work.lost_on else self.in_doubt)[work.uow_id] = work
+        mem.prepared = work.uow_id
         self.say(what)
 
     def resolvable(self) -> list[str]:
@@ -958,7 +981,7 @@ def test_random_histories_with_cf_losses_deaths_and_skewed_clocks(redis_url: str
     assert s["peer recoveries"] >= 15 and s["... by a peer whose clock lags"] >= 7, s
     assert s["... completing a forced COMMIT"] >= 2, s
     assert s["purges"] >= 10 and s["restores after a purge"] >= 3, s
-    assert s["prepares refused (a no vote)"] >= 5, s
+    assert s["prepares refused (a no vote)"] >= 5 and s["commits or backouts refused after a prepare"] >= 50, s
 
 
 @pytest.mark.slow

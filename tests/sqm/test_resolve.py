@@ -117,14 +117,31 @@ def test_resolves_racing_from_threads_decide_each_unit_of_work_once(qm: QueueMan
         assert _decisions(qm, uow) == ["COMMIT" if acked[0] else "BACKOUT"], trial
 
 
-def test_an_application_cannot_back_out_a_prepared_unit_of_work_it_still_holds(qm: QueueManager) -> None:
+@pytest.mark.parametrize("asked", ["commit", "backout"])
+def test_an_application_that_commits_or_backs_out_after_its_prepare_hears_the_unit_of_work_is_in_doubt(
+        qm: QueueManager, asked: str) -> None:
+    """Its coordinator decides a prepared unit of work: the application's commit or backout right after the
+    prepare is refused by name (answered as done, the application would take its messages for put while they stay
+    locked in doubt), and nothing is logged. Once resolved, or once the handle has begun other work, a commit or
+    backout with nothing open is the no-op it always is."""
     c = qm.connect()
     c.put("Q1", b"x")
     uow = c.prepare("xid-held")
-    c.uow = qm.uows[uow]  # as commit leaves it on the connection when the application tries to commit it
-    with pytest.raises(InDoubtError):
-        c.backout()
+    with pytest.raises(InDoubtError, match=f"{uow} is prepared \\(xid xid-held\\)"):
+        getattr(c, asked)()
+    with pytest.raises(InDoubtError):  # asked again: the same answer
+        getattr(c, asked)()
     assert [u.id for u in qm.indoubt()] == [uow] and _decisions(qm, uow) == []
+    c.put("Q1", b"other work")  # the handle's next unit of work: its own commit commits it
+    c.commit()
+    getattr(c, asked)()  # nothing open: a no-op, though the first is still in doubt
+    assert [u.id for u in qm.indoubt()] == [uow] and _decisions(qm, uow) == []
+    other = qm.connect()
+    other.put("Q1", b"y")
+    second = other.prepare("xid-second")
+    qm.resolve(second, True)
+    getattr(other, asked)()  # resolved by its coordinator: nothing in doubt to refuse
+    assert _decisions(qm, second) == ["COMMIT"]
 
 
 @pytest.mark.parametrize("xid, why", [("x" * (XID_MAX_CHARS + 1), f"at most {XID_MAX_CHARS}"),
