@@ -123,6 +123,8 @@ def _start_commit(call: SyncCommit) -> Ready | Done | None:
     conn = call.conn
     uow = conn.uow if conn is not None else None
     if conn is None or uow is None:
+        if conn is not None:
+            conn.refuse_prepared()  # as Connection.commit: a prepared unit of work is its coordinator's
         return DONE
     qm = conn.qm
     if (uow.state != INFLIGHT or uow.doomed or not uow.operations or not uow.persistent or uow.redo

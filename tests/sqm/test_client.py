@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cfemu.errors import BackedOutError, NoMessageError, OutcomeUnknownError
+from cfemu.errors import BackedOutError, InDoubtError, NoMessageError, OutcomeUnknownError
 from cfemu.procs import free_port
 from qsg.local_group import LocalGroup
 from sqm.service.client import Client, parse_endpoint
@@ -154,3 +154,23 @@ def test_no_server_answers(tmp_path: Path) -> None:
     with pytest.raises(QueueManagerUnavailableError, match=f"127.0.0.1:{port}"):
         Client(f"127.0.0.1:{port}", reconnect_timeout=0.5)
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("asked", ["commit", "backout"])
+def test_a_client_that_commits_or_backs_out_after_its_prepare_hears_the_unit_of_work_is_in_doubt(
+        redis_url: str, tmp_path: Path, asked: str) -> None:
+    """Through a real server (its batched syncpoint calls): the application's commit or backout after its prepare
+    is refused, MQRC_UOW_IN_DOUBT, not answered as done; the coordinator's resolve then commits the work."""
+    define_group(redis_url)
+    srv = start_server(redis_url, tmp_path, "QM6")
+    try:
+        with Client(srv.endpoint, token=TOKEN) as c:
+            c.put("Q1", b"prepared")
+            uow = c.prepare("xid-client")
+            with pytest.raises(InDoubtError, match=f"{uow} is prepared"):
+                getattr(c, asked)()
+            c.resolve(uow, True, xid="xid-client")
+            c.commit()  # resolved: nothing in doubt, nothing open
+            assert c.get("Q1", syncpoint=False).body == b"prepared"
+    finally:
+        assert srv.stop() == 0
