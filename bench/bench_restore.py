@@ -438,6 +438,7 @@ def plan_only(root: Path, memory: int, truth_file: Path, workers: int, engine_na
     out["plan_s"], out["plan_cpu_s"] = round(time.perf_counter() - t0, 2), round(cpu_s() - c0, 2)
     tree.sample()
     out["plan_tree_cpu_s"] = round(cpu_s() - c0 + tree.others_cpu_s(), 2)
+    out["plan_tree_peak_rss_mib"] = round(tree.peak / 2**20)  # while planning, before the output is read
     t1, c1 = time.perf_counter(), cpu_s()
     loaded = bumped = 0
     for s in plan.in_load_order():

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pyspark import AccumulatorParam, SparkConf, StorageLevel
 from pyspark.sql import SparkSession
@@ -520,6 +520,23 @@ def spilled_plan(structure: str, spill: SpillDir, parts: int, written: Written, 
     return plan
 
 
+Summary = TypeVar("Summary", Decided, Written)
+
+
+def _by_tasks(rdd: Any, by_task: Callable[..., Iterator[tuple[int, Summary | None]]], total: Summary,
+              spill: SpillDir, token: str) -> Summary | None:
+    """Each partition of rdd written into the spill directory by its own task (by_task), their summaries merged
+    into `total` in partition order; None when a task's executor does not share the directory (the caller then
+    brings the rows through the driver: files the others wrote are the caller's to remove)."""
+    parts = rdd.mapPartitionsWithIndex(partial(by_task, spill_path=str(spill.path), token=token)).collect()
+    if not all(summary is not None for _, summary in parts):
+        return None
+    for _, summary in sorted(parts, key=lambda t: t[0]):
+        total.merge(summary)
+    spill.bytes_written += total.bytes
+    return total
+
+
 # ------------------------------------------------------------------------------------------------ the engine
 
 
@@ -637,13 +654,8 @@ class SparkEngine:
 
     def _decided(self, rows: Any, spill: SpillDir, token: str, parts: int) -> Decided:
         """The UOWs' outcomes in the spill files "decided-<j>"."""
-        by_task = rows.mapPartitionsWithIndex(partial(decided_by_task, spill_path=str(spill.path), token=token))
-        parts_written = by_task.collect()
-        if all(d is not None for _, d in parts_written):
-            decided = Decided()
-            for _, d in sorted(parts_written, key=lambda t: t[0]):
-                decided.merge(d)
-            spill.bytes_written += decided.bytes
+        decided = _by_tasks(rows, decided_by_task, Decided(), spill, token)
+        if decided is not None:
             return decided
         remove_files(spill, "decided")
         return write_decided(stream(rows), spill, parts, buffers_for(self.memory) // 2)
@@ -651,13 +663,8 @@ class SparkEngine:
     def _written(self, settled: Any, spill: SpillDir, token: str, parts: int) -> Written:
         """The settled entries in the spill files "run-<i>" (each partition's survivors, sorted in load order) and
         "gone-<i>"."""
-        by_task = settled.mapPartitionsWithIndex(partial(runs_by_task, spill_path=str(spill.path), token=token))
-        parts_written = by_task.collect()
-        if all(w is not None for _, w in parts_written):
-            written = Written()
-            for _, w in sorted(parts_written, key=lambda t: t[0]):
-                written.merge(w)
-            spill.bytes_written += written.bytes
+        written = _by_tasks(settled, runs_by_task, Written(), spill, token)
+        if written is not None:
             return written
         remove_files(spill, "run")
         remove_files(spill, "gone")
