@@ -772,6 +772,12 @@ def start_session(master: str, conf: Mapping[str, str], log_file: Path) -> Spark
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     java_opts = f"-Dlog4j2.configurationFile=file:{props}"
+    if master.startswith("local"):
+        # The one JVM runs every task of a batch job on a few cores, within the restore's memory limit: the serial
+        # collector keeps no per-region bookkeeping beside the heap (G1's), and two malloc arenas (LOCAL_JVM_ENV)
+        # keep its hundred threads from each growing one of their own. Measured on the plan of 1M messages of
+        # 1 KiB within 2 GiB: the JVM's resident memory 1,054 MiB with a heap of 768, 790 with both, no slower.
+        java_opts += " -XX:+UseSerialGC"
     spark_conf = SparkConf().setMaster(master).setAppName("cfrestore").setAll([
         ("spark.ui.showConsoleProgress", "false"),
         ("spark.ui.enabled", "false"),
@@ -788,8 +794,10 @@ def start_session(master: str, conf: Mapping[str, str], log_file: Path) -> Spark
     # KeyboardInterrupt) and leaves it there after the session stops: the process's own is put back, so that
     # Ctrl-C does what the program (cfrestore, a member's RECAUTO, a test run) made it do.
     sigint = signal.getsignal(signal.SIGINT)
+    env = LOCAL_JVM_ENV if master.startswith("local") else {}
     try:
-        with _stderr_to(log_file):  # the JVM inherits stderr when it starts: its early warnings go to the file too
+        # The JVM inherits stderr and the environment when it starts: its early warnings go to the file too
+        with _stderr_to(log_file), _environment(env):
             spark = SparkSession.builder.config(conf=spark_conf).getOrCreate()
     finally:
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not sigint:
@@ -798,6 +806,23 @@ def start_session(master: str, conf: Mapping[str, str], log_file: Path) -> Spark
         # Executors on other machines import this code: ship the project's packages with the job.
         spark.sparkContext.addPyFile(str(_packages_zip(log_file.parent)))
     return spark
+
+
+#: What a local master's JVM (and the Python workers it starts) gets in its environment unless this process has
+#: it set already: glibc's malloc otherwise gives each allocating thread an arena of its own, up to eight a core.
+LOCAL_JVM_ENV = {"MALLOC_ARENA_MAX": "2"}
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """values in os.environ for the block (for a process started in it), where not set already."""
+    added = [k for k in values if k not in os.environ]
+    os.environ.update({k: values[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 @contextlib.contextmanager

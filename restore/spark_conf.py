@@ -55,17 +55,19 @@ def memory_conf(master: str, memory: int) -> dict[str, str]:
     limit of its own for the whole: these bound its parts.
 
     * Each JVM's heap (at least JVM_MIN): on a cluster the driver's and each executor's a quarter of the limit; in
-      local[...] masters the driver's JVM is the executors too (it runs the tasks, keeps their persisted chunks and
-      serves the fetches), so it has half. With a quarter there, 512 MiB at 2 GiB, the JVM lost fetches' results
-      or ran out of heap at 400,000 messages of 1 KiB.
+      local[...] masters the driver's JVM is the executors too (it runs the tasks and keeps their persisted
+      chunks), so it has three eighths. Its tasks write the plan into the driver's spill files themselves
+      (restore.spill.TaskFiles): no fetch of the plan passes through it. When fetches did, a quarter there (512 MiB
+      at 2 GiB) lost their results or ran out of heap at 400,000 messages of 1 KiB, and half left the process tree
+      (the JVM beyond its heap, the Python workers, the driver) over the limit.
     * spark.driver.maxResultSize: a quarter of the heap beyond Spark's reserved memory, so that one fetch of the
       plan's results (restore.spark_fetch: half of it) is an eighth of what Spark may use there; the driver holds a
       fetch at least twice over while it serves it to Python.
     * Each Python worker's aggregation memory (at least PYTHON_WORKER_MIN: under 512m PySpark's shuffle writer
       thinks memory is short and flushes ever smaller batches, a 4x slowdown at 1M records): half of the limit on
-      a cluster, a quarter in local[2] (its two workers and the JVM's half: the limit)."""
+      a cluster, a quarter in local[2]."""
     local = master.startswith("local")
-    heap = max(JVM_MIN, memory // (2 if local else 4))
+    heap = max(JVM_MIN, memory * 3 // 8 if local else memory // 4)
     jvm = _mib(heap)
     conf = {"spark.driver.memory": jvm, "spark.executor.memory": jvm,
             "spark.driver.maxResultSize": _mib(max(RESULT_MIN, (heap - SPARK_RESERVED) // 4)),

@@ -801,14 +801,32 @@ def test_the_spark_engine_derives_its_memory_settings_from_the_memory_limit() ->
     two = memory_conf("spark://h:7077", 2 * 2**30)  # each JVM a quarter; a fetch an eighth of Spark's share of it
     assert two == {"spark.driver.memory": "512m", "spark.executor.memory": "512m",
                    "spark.driver.maxResultSize": "53m", "spark.python.worker.memory": "1024m"}
-    # local[...]: the one JVM runs the tasks, holds their persisted chunks and serves the fetches: half the limit,
-    # each of the two Python workers a quarter
-    assert memory_conf("local[2]", 2 * 2**30) == {"spark.driver.memory": "1024m", "spark.driver.maxResultSize": "181m",
+    # local[...]: the one JVM runs the tasks and holds their persisted chunks (its tasks write the plan themselves,
+    # no fetch of it passes through it): three eighths of the limit, each of the two Python workers a quarter
+    assert memory_conf("local[2]", 2 * 2**30) == {"spark.driver.memory": "768m", "spark.driver.maxResultSize": "117m",
                                                    "spark.python.worker.memory": "512m"}
-    assert memory_conf("local[2]", 8 * 2**30) == {"spark.driver.memory": "4096m", "spark.driver.maxResultSize": "949m",
+    assert memory_conf("local[2]", 8 * 2**30) == {"spark.driver.memory": "3072m", "spark.driver.maxResultSize": "693m",
                                                    "spark.python.worker.memory": "2048m"}
     assert memory_conf("local[2]", 2**20)["spark.driver.memory"] == "512m"  # a JVM needs that much to start
     engine = SparkEngine("local[2]", conf={"spark.driver.memory": "3g"}, memory=2 * 2**30)
     assert engine.conf["spark.driver.memory"] == "3g" and engine.conf["spark.python.worker.memory"] == "512m"
     with pytest.raises(ValueError, match="memory limit must be positive"):
         SparkEngine(memory=0)
+
+
+def test_a_local_masters_jvm_runs_with_the_serial_collector_and_two_malloc_arenas(spark: Any) -> None:
+    """The restore's own JVM in a local[...] master (start_session) runs every task within the restore's memory
+    limit: its arguments name the serial collector, and its environment (as /proc shows the running JVM's) holds
+    MALLOC_ARENA_MAX 2, unless this process had its own value; this process's own environment is left as it was."""
+    from pyspark import SparkContext
+
+    jvm = spark.sparkContext._jvm
+    assert "-XX:+UseSerialGC" in list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
+    environ = Path(f"/proc/{SparkContext._gateway.proc.pid}/environ").read_bytes().split(b"\0")
+    assert f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', '2')}".encode() in environ
+    if "MALLOC_ARENA_MAX" not in os.environ:
+        from restore.engine_spark import LOCAL_JVM_ENV, _environment
+
+        with _environment(LOCAL_JVM_ENV):
+            assert os.environ["MALLOC_ARENA_MAX"] == "2"
+        assert "MALLOC_ARENA_MAX" not in os.environ
