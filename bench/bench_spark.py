@@ -234,7 +234,7 @@ def child(root: Path, engine: str, master: str, truth_file: Path, memory: str, e
     if engine == "spark":
         eng: Any = get_engine("spark", master=master, log_file=root / "spark.log",
                               conf={"spark.driver.memory": memory, "spark.local.dir": str(root / "spark-tmp"),
-                                    **json.loads(conf_file.read_text())})
+                                    **json.loads(conf_file.read_text())}, keep_session=True)
         eng.session()
     else:
         eng = get_engine("local")

@@ -41,6 +41,7 @@ import importlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -555,7 +556,8 @@ class SparkEngine:
     def __init__(self, master: str = "local[*]", conf: Mapping[str, str] | None = None,
                  log_file: str | Path = DEFAULT_LOG_FILE, archive_dir: str | Path | None = None,
                  spark: SparkSession | None = None, memory: int = DEFAULT_MEMORY,
-                 work_dir: Path | None = None, backup_keys: BackupKeys | None = None) -> None:
+                 work_dir: Path | None = None, backup_keys: BackupKeys | None = None,
+                 keep_session: bool = False) -> None:
         self.memory, self.work_dir, _ = bounded_resources(memory, work_dir, 1)
         self.master = master
         self.conf = {**memory_conf(master, self.memory), **dict(conf or {})}
@@ -563,6 +565,8 @@ class SparkEngine:
         self.archive_dir = Path(archive_dir) if archive_dir is not None else None
         self.backup_keys = backup_keys  # check the archive's seals (None: those the settings find)
         self._spark = spark
+        self._started = False  # the session is this engine's own (started by it), not one it was given
+        self.keep_session = keep_session
         self.phase_seconds: dict[str, float] = {}
 
     # --- the session ---------------------------------------------------------------------------------------
@@ -570,7 +574,17 @@ class SparkEngine:
         """The SparkSession (started on first use, quietly: logging and JVM stderr go to log_file)."""
         if self._spark is None:
             self._spark = start_session(self.master, self.conf, self.log_file)
+            self._started = True
         return self._spark
+
+    def end_session(self) -> None:
+        """End the session this engine started, and its JVM (end_session); one it was given is left alone. After
+        each plan unless keep_session: the plan is in spill files, and the load that reads them next must not share
+        the restore's memory limit with an idle JVM (a JVM whose heap grew to its limit, and its Python workers).
+        The next plan starts a session again."""
+        if self._spark is not None and self._started:
+            spark, self._spark, self._started = self._spark, None, False
+            end_session(spark)
 
     # --- the plan --------------------------------------------------------------------------------------------
     def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
@@ -582,6 +596,9 @@ class SparkEngine:
             if raised is None:
                 raise
             raise raised from None
+        finally:
+            if not self.keep_session:
+                self.end_session()
 
     def _plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
               progress: Progress) -> RestorePlan:
@@ -806,6 +823,32 @@ def start_session(master: str, conf: Mapping[str, str], log_file: Path) -> Spark
         # Executors on other machines import this code: ship the project's packages with the job.
         spark.sparkContext.addPyFile(str(_packages_zip(log_file.parent)))
     return spark
+
+
+def end_session(spark: SparkSession) -> None:
+    """Stop the session and end the JVM PySpark launched for it. PySpark keeps that JVM for the life of the process
+    (a stopped session's too, with the heap it grew to); it exits when its stdin closes (pyspark.java_gateway
+    launches it so), and the next session launches another."""
+    from pyspark import SparkContext
+
+    spark.stop()
+    gateway = SparkContext._gateway
+    if gateway is None:
+        return
+    proc = getattr(gateway, "proc", None)
+    with contextlib.suppress(Exception):  # its connections closed; the JVM may be gone already
+        gateway.shutdown()
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    if proc is None:
+        return
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 #: What a local master's JVM (and the Python workers it starts) gets in its environment unless this process has

@@ -830,3 +830,48 @@ def test_a_local_masters_jvm_runs_with_the_serial_collector_and_two_malloc_arena
         with _environment(LOCAL_JVM_ENV):
             assert os.environ["MALLOC_ARENA_MAX"] == "2"
         assert "MALLOC_ARENA_MAX" not in os.environ
+
+
+OWN_SESSION_CHILD = """
+import json, os, sys
+from pathlib import Path
+from pyspark import SparkContext
+from backup.files import read_backup
+from restore.engine_spark import SparkEngine
+from sqm.log import find_log_dirs
+
+root, replay_from, now_ms = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+backup, log_dirs = read_backup(root / "backup" / "APP1" / "b"), find_log_dirs(root / "logs")
+engine = SparkEngine("local[1]", log_file=root / "spark.log", work_dir=root / "work", memory=2**30)
+out = {}
+for n in range(2):
+    engine.session()
+    pid = SparkContext._gateway.proc.pid
+    plan = engine.plan("APP1", backup, log_dirs, replay_from, now_ms)
+    gone = not Path(f"/proc/{pid}").exists()
+    out[n] = {"jvm": pid, "jvm_gone": gone, "gateway": SparkContext._gateway is not None,
+              "loaded": sum(1 for _ in plan.in_load_order()), "counts": dict(plan.counts)}
+    plan.close()
+print(json.dumps(out))
+"""
+
+
+def test_an_engine_that_started_its_own_session_ends_its_jvm_after_each_plan(tmp_path: Path) -> None:
+    """The plan is in spill files once made: the JVM the engine launched (its heap grown to its share of the memory
+    limit, its Python workers) must not sit beside the load that reads them. A real process: its JVM is gone after
+    each plan, the plan is read whole after it, and the next plan starts a JVM again and plans the same. A session
+    given to the engine (the tests' shared one) is left running (every other test here)."""
+    import json
+    import subprocess
+    import sys
+
+    h = simulate(random.Random(11), 300)
+    write_history(h, tmp_path, segment_bytes=65536)
+    done = subprocess.run([sys.executable, "-c", OWN_SESSION_CHILD, str(tmp_path), str(h.replay_from), str(NOW_MS)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    first, second = runs["0"], runs["1"]
+    assert first["jvm_gone"] and second["jvm_gone"] and not first["gateway"] and not second["gateway"]
+    assert first["jvm"] != second["jvm"]
+    assert first["loaded"] > 0 and (first["loaded"], first["counts"]) == (second["loaded"], second["counts"])
