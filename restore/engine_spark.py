@@ -405,13 +405,10 @@ def decided_by_task(index: int, rows: Iterable[tuple[Any, ...]], spill_path: str
         yield index, None
         return
     out = Decided()
-    try:
+    with files:
         for row in rows:
             out.take(row, lambda _, frame: files.add("decided", frame))
-        out.bytes = sum(files.commit().values())
-    except BaseException:
-        files.abort()
-        raise
+    out.bytes = sum(files.sizes.values())
     yield index, out
 
 
@@ -484,14 +481,11 @@ def runs_by_task(index: int, rows: Iterable[tuple[str, Any]], spill_path: str, t
         yield index, None
         return
     out = Written()
-    try:
+    with files:
         for tag, i, item in run_of_partition(index, rows):
             out.take(tag, i, item, lambda _, frame: files.add("run", frame),
                      lambda _, frame: files.add("gone", frame))
-        out.bytes = sum(files.commit().values())
-    except BaseException:
-        files.abort()
-        raise
+    out.bytes = sum(files.sizes.values())
     yield index, out
 
 

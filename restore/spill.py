@@ -198,6 +198,26 @@ class Partitioned:
         self.path(i).unlink(missing_ok=True)
 
 
+class SpillWriter:
+    """One spill file written in order through a bounded buffer (a sorted run)."""
+
+    def __init__(self, spill: SpillDir, name: str, buffer_bytes: int = READ_SIZE) -> None:
+        self.spill, self.path = spill, spill.file(name)
+        self.buffer = bytearray()
+        self.limit = buffer_bytes
+        self.pack = msgpack.Packer(use_bin_type=True).pack
+
+    def add(self, frame: Any) -> None:
+        self.buffer += self.pack(frame)
+        if len(self.buffer) >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buffer:
+            _append(self.spill, self.path, self.buffer)
+            self.buffer = bytearray()
+
+
 #: The file of a spill directory that holds its sharing token (share, TaskFiles.open).
 SHARED = ".shared"
 
@@ -217,17 +237,16 @@ def share(spill: SpillDir) -> str:
 
 class TaskFiles:
     """The spill files one task of another process writes into a spill directory it shares (share): `name`-<index>
-    for each name it adds to. Each is written under a name of its own and renamed whole by commit(), so that a task
-    run twice (a retry, a speculative copy: the same frames) leaves one whole file, never two interleaved; a task
-    that fails leaves only its own unrenamed part files, which the directory's maker removes with it."""
+    for each name it adds to, each a SpillWriter under a name of its own, renamed whole when the task is done
+    (commit, or the end of a `with` block that raised nothing), so that a task run twice (a retry, a speculative
+    copy: the same frames) leaves one whole file, never two interleaved. A task that fails removes its part files
+    (abort, or a `with` block that raised); any left behind go with the directory, removed by its maker."""
 
     def __init__(self, path: Path, index: int, buffer_bytes: int = READ_SIZE) -> None:
-        self.path, self.index, self.limit = path, index, buffer_bytes
+        self.spill, self.index, self.limit = SpillDir.at(path), index, buffer_bytes
         self.attempt = uuid.uuid4().hex
-        self.buffers: dict[str, bytearray] = {}
-        self.fds: dict[str, int] = {}
-        self.sizes: dict[str, int] = {}
-        self.pack = msgpack.Packer(use_bin_type=True).pack
+        self.writers: dict[str, SpillWriter] = {}
+        self.sizes: dict[str, int] = {}  # the bytes of each file, once committed
 
     @classmethod
     def open(cls, path: Path, token: str, index: int) -> TaskFiles | None:
@@ -242,71 +261,36 @@ class TaskFiles:
             return None
         return cls(path, index)
 
-    def _part(self, name: str) -> Path:
-        return self.path / f"{name}-{self.index}.{self.attempt}.part"
-
     def add(self, name: str, frame: Any) -> None:
-        buf = self.buffers.setdefault(name, bytearray())
-        buf += self.pack(frame)
-        if len(buf) >= self.limit:
-            self._flush(name)
-
-    def _flush(self, name: str) -> None:
-        buf = self.buffers[name]
-        if not buf:
-            return
-        fd = self.fds.get(name)
-        if fd is None:
-            fd = self.fds[name] = open_private(self._part(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        view = memoryview(buf)
-        while view:
-            view = view[os.write(fd, view):]
-        self.sizes[name] = self.sizes.get(name, 0) + len(buf)
-        self.buffers[name] = bytearray()
+        writer = self.writers.get(name)
+        if writer is None:
+            writer = self.writers[name] = SpillWriter(self.spill, f"{name}-{self.index}.{self.attempt}.part",
+                                                      self.limit)
+        writer.add(frame)
 
     def commit(self) -> dict[str, int]:
         """Every file written out and renamed to `name`-<index>: the bytes of each."""
-        try:
-            for name in list(self.buffers):
-                self._flush(name)
-        finally:
-            self._close()
-        for name in self.sizes:
-            os.replace(self._part(name), self.path / f"{name}-{self.index}")
+        for name, writer in self.writers.items():
+            writer.flush()
+            self.sizes[name] = writer.path.stat().st_size
+            os.replace(writer.path, self.spill.file(f"{name}-{self.index}"))
         return dict(self.sizes)
 
     def abort(self) -> None:
-        self._close()
-        for name in self.sizes:
-            self._part(name).unlink(missing_ok=True)
+        for writer in self.writers.values():
+            writer.path.unlink(missing_ok=True)
 
-    def _close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}
+    def __enter__(self) -> TaskFiles:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
 
 
 def remove_files(spill: SpillDir, name: str) -> None:
     """Remove the files `name`-<i> of a Partitioned set (before it is written again another way)."""
     for path in spill.path.glob(f"{name}-*"):
         path.unlink(missing_ok=True)
-
-
-class SpillWriter:
-    """One spill file written in order through a bounded buffer (a sorted run)."""
-
-    def __init__(self, spill: SpillDir, name: str, buffer_bytes: int = READ_SIZE) -> None:
-        self.spill, self.path = spill, spill.file(name)
-        self.buffer = bytearray()
-        self.limit = buffer_bytes
-        self.pack = msgpack.Packer(use_bin_type=True).pack
-
-    def add(self, frame: Any) -> None:
-        self.buffer += self.pack(frame)
-        if len(self.buffer) >= self.limit:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.buffer:
-            _append(self.spill, self.path, self.buffer)
-            self.buffer = bytearray()
